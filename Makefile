@@ -1,0 +1,34 @@
+# `make test` and `make demo` set everything up on a fresh machine: FFmpeg's shared
+# libraries (apt), then .venv/ with the pinned test environment.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: test demo bench ffmpeg clean
+
+$(STAMP): requirements-test.txt pyproject.toml
+	@$(MAKE) --no-print-directory ffmpeg
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+ffmpeg:
+	@if ! command -v ffmpeg >/dev/null || ! ldconfig -p | grep -q 'libavcodec\.so'; then \
+		echo "installing FFmpeg (apt)"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg >/dev/null; \
+	fi
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) -m swift_safe_media.demo
+
+bench: $(STAMP)
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,68 @@
+"""Settings. The environment is the single source of truth: flags write into it,
+so spawned DataLoader workers and sandboxes inherit the same values."""
+
+from __future__ import annotations
+
+import os
+
+TIMEOUT = "SWIFT_SAFE_MEDIA_TIMEOUT"
+MAX_MEMORY_MB = "SWIFT_SAFE_MEDIA_MAX_MEMORY_MB"
+THREADS = "SWIFT_SAFE_MEDIA_THREADS"
+PRELOAD = "SWIFT_SAFE_MEDIA_PRELOAD"
+SANDBOXES = "SWIFT_SAFE_MEDIA_SANDBOXES"
+START_TIMEOUT = "SWIFT_SAFE_MEDIA_START_TIMEOUT"
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_START_TIMEOUT_S = 180.0
+DEFAULT_PRELOAD = "numpy,PIL.Image,torch,torchcodec.decoders,swift_safe_media.decoders"
+# Libraries that size thread pools from these variables at import time.
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                   "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "OPENCV_FOR_THREADS_NUM")
+
+
+def _number(name: str, default, kind=float, minimum=None):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+def timeout() -> float:
+    return _number(TIMEOUT, DEFAULT_TIMEOUT_S, float, minimum=0.001)
+
+
+def start_timeout() -> float:
+    return _number(START_TIMEOUT, DEFAULT_START_TIMEOUT_S, float, minimum=1.0)
+
+
+def default_max_memory_mb() -> int:
+    """A quarter of physical memory, between 2 GiB and 32 GiB: room for any sane clip,
+    far from what takes the training host down."""
+    total_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    return int(min(max(total_mb // 4, 2048), 32768))
+
+
+def max_memory_mb() -> int:
+    """Address space a sandbox may add above its preloaded baseline; 0 means no cap."""
+    if not os.environ.get(MAX_MEMORY_MB, "").strip():
+        return default_max_memory_mb()
+    return _number(MAX_MEMORY_MB, 0, int, minimum=0)
+
+
+def decoder_threads() -> int:
+    return _number(THREADS, 1, int, minimum=1)
+
+
+def max_sandboxes() -> int:
+    return _number(SANDBOXES, 1, int, minimum=1)
+
+
+def preload_modules() -> list[str]:
+    raw = os.environ.get(PRELOAD, DEFAULT_PRELOAD)
+    return [name.strip() for name in raw.split(",") if name.strip()]

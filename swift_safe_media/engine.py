@@ -1,0 +1,418 @@
+"""``call`` and ``isolated``: run a function in a sandbox process with a hard timeout.
+
+One pool of sandboxes per calling process (one sandbox unless
+``SWIFT_SAFE_MEDIA_SANDBOXES`` says more). Threads of one process share the pool: a
+caller waits for a free sandbox, and the timeout counts only the time its function
+runs, so a slow neighbour never turns into a false timeout. DataLoader workers are
+separate processes and each gets its own pool; a forked child drops the pool it
+inherited and starts its own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from . import config, sandbox, transport
+from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
+
+log = logging.getLogger("swift_safe_media")
+
+_in_sandbox = False
+
+
+def mark_in_sandbox() -> None:
+    global _in_sandbox, _engine
+    _in_sandbox, _engine = True, None
+
+
+def in_sandbox() -> bool:
+    return _in_sandbox
+
+
+class RemoteTraceback(Exception):
+    """Carries the sandbox-side traceback as the ``__cause__`` of a re-raised exception."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+class _Sandbox:
+    def __init__(self, pid: int, conn: socket.socket):
+        self.pid, self.conn = pid, conn
+
+    def is_alive(self) -> bool:
+        """An idle sandbox never writes: anything readable means it closed or died."""
+        readable, _, _ = select.select([self.conn], [], [], 0)
+        return not readable
+
+
+class _Zygote:
+    def __init__(self, start_timeout: float):
+        caller_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        code = f"from swift_safe_media.sandbox import zygote_main; zygote_main({zygote_end.fileno()})"
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code], pass_fds=[zygote_end.fileno()], env=_zygote_environment(),
+            stdin=subprocess.DEVNULL, close_fds=True)
+        zygote_end.close()
+        self.control = caller_end
+        deadline = time.monotonic() + start_timeout
+        try:
+            transport.send(self.control, transport.REQUEST, _preparation(), deadline)
+            self._read(sandbox.READY.size, deadline)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, size, deadline):
+        return transport.receive_exactly(self.control, size, deadline)
+
+    def spawn(self, memory_cap_mb: int, deadline: float) -> _Sandbox:
+        self.control.settimeout(max(deadline - time.monotonic(), 0.001))
+        self.control.sendall(sandbox.CONTROL_REQUEST.pack(sandbox.SPAWN, memory_cap_mb))
+        head, fds, _, _ = socket.recv_fds(self.control, sandbox.SPAWN_REPLY.size, 1)
+        if not fds:
+            raise EOFError("the zygote sent no sandbox")
+        head += self._read(sandbox.SPAWN_REPLY.size - len(head), deadline)
+        (pid,) = sandbox.SPAWN_REPLY.unpack(head)
+        return _Sandbox(pid, socket.socket(fileno=fds[0]))
+
+    def reap(self, pid: int, deadline: float) -> tuple[int, int]:
+        self.control.settimeout(max(deadline - time.monotonic(), 0.001))
+        self.control.sendall(sandbox.CONTROL_REQUEST.pack(sandbox.REAP, pid))
+        return sandbox.REAP_REPLY.unpack(self._read(sandbox.REAP_REPLY.size, deadline))
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, wait: float = 2.0) -> None:
+        self.control.close()  # EOF tells the zygote to kill its sandboxes and exit
+        try:
+            self.process.wait(wait)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def abandon(self) -> None:
+        """In a forked child: the zygote belongs to the parent; drop our copies only."""
+        self.control.close()
+        self.process.returncode = 0  # keeps Popen.__del__ from tracking the parent's child
+
+
+def _zygote_environment() -> dict:
+    env = dict(os.environ)
+    threads = str(config.decoder_threads())
+    env.update({name: threads for name in config.THREAD_ENV_VARS})
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
+    return env
+
+
+def _preparation() -> dict:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    main_name = spec.name if spec is not None and spec.name != "__main__" else None
+    main_path = getattr(main, "__file__", None)
+    return {
+        "sys_path": list(sys.path),
+        "argv": list(sys.argv),
+        "cwd": os.getcwd(),
+        "main": {"name": main_name, "path": None if main_name else main_path},
+        "preload": config.preload_modules(),
+    }
+
+
+class Engine:
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._zygote: _Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._idle: list[_Sandbox] = []
+        self._busy = 0
+        self._closed = False
+        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0,
+                      "last_kill_to_ready_s": None}
+
+    # -- pool ---------------------------------------------------------------------
+    def _checkout(self) -> _Sandbox:
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise RuntimeError("swift_safe_media engine is shut down")
+                while self._idle:
+                    box = self._idle.pop()
+                    if box.is_alive():
+                        self._busy += 1
+                        return box
+                    self._discard_quietly(box)
+                if self._busy < config.max_sandboxes():
+                    self._busy += 1
+                    break
+                self._lock.wait()
+        try:
+            return self._spawn()
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify()
+            raise
+
+    def _checkin(self, box: _Sandbox) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._idle.append(box)
+            self._lock.notify()
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify()
+
+    def _spawn(self) -> _Sandbox:
+        deadline = time.monotonic() + config.start_timeout()
+        with self._zygote_lock:
+            if self._zygote is None or not self._zygote.is_alive():
+                if self._zygote is not None:
+                    self._zygote.close(wait=0.5)
+                self._zygote = _Zygote(config.start_timeout())
+            box = self._zygote.spawn(config.max_memory_mb(), deadline)
+        self.stats["sandboxes_started"] += 1
+        return box
+
+    def _end(self, box: _Sandbox) -> tuple[int, int]:
+        """Kill the sandbox's whole process group, then collect its exit status."""
+        sandbox._kill_group(box.pid)
+        box.conn.close()
+        with self._zygote_lock:
+            try:
+                return self._zygote.reap(box.pid, time.monotonic() + 5.0)
+            except (OSError, EOFError):
+                return -1, 0
+
+    def _discard_quietly(self, box: _Sandbox) -> None:
+        status, _ = self._end(box)
+        log.warning("swift_safe_media: an idle sandbox (pid %d) had died (%s); replaced",
+                    box.pid, describe_status(status))
+
+    def _replace(self, box: _Sandbox) -> tuple[int, int]:
+        """End a failed sandbox and start its successor now, so the next call finds it ready."""
+        killed_at = time.monotonic()
+        status = self._end(box)
+        try:
+            successor = self._spawn()
+        except BaseException as exc:
+            log.warning("swift_safe_media: could not start a replacement sandbox yet: %s", exc)
+            self._release_slot()
+        else:
+            self.stats["last_kill_to_ready_s"] = time.monotonic() - killed_at
+            self._checkin(successor)
+        return status
+
+    # -- calls --------------------------------------------------------------------
+    def run(self, fn, args, kwargs, timeout: float, path):
+        message, fd = _encode_request(fn, args, kwargs)
+        try:
+            box = self._checkout()
+        except (OSError, EOFError) as exc:
+            if fd >= 0:
+                os.close(fd)
+            raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
+        self.stats["calls"] += 1
+        started = time.monotonic()
+        deadline = started + timeout
+        try:
+            sending, fd = fd, -1
+            transport.send_encoded(box.conn, message, sending, deadline)
+            kind, payload = transport.receive(box.conn, deadline)
+        except TimeoutError:
+            self.stats["timeouts"] += 1
+            self._replace(box)
+            raise MediaDecodeTimeout(
+                path, f"decode overran its {timeout:g} s timeout; sandbox pid {box.pid} was killed",
+                time.monotonic() - started) from None
+        except (EOFError, ConnectionError) as exc:
+            self.stats["crashes"] += 1
+            status, peak_kib = self._replace(box)
+            reason = f"sandbox pid {box.pid} died during the decode: {describe_status(status)}"
+            cap = config.max_memory_mb()
+            if cap and peak_kib >= 0.9 * cap * 1024:
+                reason += f" (peak memory {peak_kib >> 10} MB, near the {cap} MB cap)"
+            raise MediaDecodeCrash(path, reason, time.monotonic() - started) from exc
+        except BaseException:
+            self._replace(box)  # interrupted mid-exchange: the stream is out of step
+            raise
+        elapsed = time.monotonic() - started
+        if kind == transport.RESULT:
+            self._checkin(box)
+            return payload
+        exc, details = payload
+        if details["out_of_memory"]:
+            self._replace(box)  # a heap that hit its cap is not worth reusing
+            raise MediaDecodeError(
+                path, f"memory limit of {details['memory_cap_mb']} MB exceeded "
+                      f"({details['type']}: {details['message']})", elapsed) from None
+        self._checkin(box)
+        raise _rebuild_exception(exc, details, path, elapsed, box.pid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for box in idle:
+            box.conn.close()
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+
+    def abandon(self) -> None:
+        for box in self._idle:
+            box.conn.close()
+        self._idle = []
+        if self._zygote is not None:
+            self._zygote.abandon()
+
+
+def _encode_request(fn, args, kwargs):
+    try:
+        return transport.encode(transport.REQUEST, (fn, args, kwargs))
+    except (AttributeError, TypeError, ImportError, __import__("pickle").PicklingError) as exc:
+        raise TypeError(f"swift_safe_media.call needs a module-level function and picklable "
+                        f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        return "exit status unknown"
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {number} ({name})"
+    if os.WIFEXITED(status):
+        return f"exited with code {os.WEXITSTATUS(status)}"
+    return f"wait status {status}"
+
+
+def _rebuild_exception(exc, details, path, elapsed, pid):
+    if exc is None:
+        return MediaDecodeError(path, f"{details['type']}: {details['message']}\n{details['traceback']}",
+                                elapsed)
+    if isinstance(exc, MediaDecodeError):
+        exc = exc.with_context(path, elapsed)
+    exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{details['traceback']}\"\"\"")
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in swift_safe_media sandbox pid {pid}"
+                     + (f" while decoding {path}" if path is not None else ""))
+    return exc
+
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> Engine:
+    global _engine
+    engine = _engine
+    if engine is None:
+        with _engine_lock:
+            if _engine is None:
+                _engine = Engine()
+            engine = _engine
+    return engine
+
+
+def shutdown() -> None:
+    """Stop this process's sandboxes and zygote (also done at exit)."""
+    global _engine
+    with _engine_lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        engine.close()
+
+
+def _after_fork_in_child() -> None:
+    global _engine, _engine_lock
+    _engine_lock = threading.Lock()
+    if _engine is not None:
+        _engine.abandon()
+    _engine = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(shutdown)
+
+
+def _looks_like_path(value) -> bool:
+    if isinstance(value, os.PathLike):
+        return True
+    return (isinstance(value, str) and 0 < len(value) < 4096 and "\n" not in value
+            and not value.startswith("data:") and ("/" in value or "." in value))
+
+
+def path_hint(args, kwargs, explicit=None):
+    if explicit is not None:
+        return os.fspath(explicit) if isinstance(explicit, os.PathLike) else str(explicit)
+    for value in (*args, *kwargs.values()):
+        if _looks_like_path(value):
+            return os.fspath(value) if isinstance(value, os.PathLike) else value
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _accepts_path(fn) -> bool:
+    try:
+        return "path" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
+    """Run ``fn(*args, **kwargs)`` in this process's sandbox and return its result.
+
+    ``timeout`` (seconds) defaults to ``SWIFT_SAFE_MEDIA_TIMEOUT`` (60). On overrun the
+    sandbox's process group is killed and :class:`MediaDecodeTimeout` is raised; a
+    sandbox that dies raises :class:`MediaDecodeCrash`. Exceptions raised by ``fn`` come
+    back as themselves, with the sandbox traceback as their ``__cause__``. ``path`` names
+    the media in error messages (else the first path-like argument does); it is passed
+    on to ``fn`` only if ``fn`` has a parameter called ``path``.
+    """
+    if path is not None and _accepts_path(fn):
+        kwargs["path"] = path
+    if _in_sandbox:
+        return fn(*args, **kwargs)
+    timeout = config.timeout() if timeout is None else float(timeout)
+    return get_engine().run(fn, args, kwargs, timeout, path_hint(args, kwargs, path))
+
+
+def isolated(timeout: float | None = None):
+    """Decorator: every call of the function runs through :func:`call`.
+
+    Use as ``@isolated`` or ``@isolated(timeout=10)`` on a module-level function.
+    """
+    if callable(timeout):
+        return isolated()(timeout)
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def run_isolated(*args, **kwargs):
+            if _in_sandbox:
+                return fn(*args, **kwargs)
+            # The wrapper itself is what pickles by name; inside the sandbox it runs fn.
+            return call(run_isolated, *args, timeout=timeout, **kwargs)
+
+        return run_isolated
+
+    return decorate

@@ -1,0 +1,238 @@
+"""Messages between a caller and its sandbox over a Unix stream socket.
+
+Large buffers (numpy arrays, CPU tensors, PIL pixel data) leave the pickle stream
+(pickle protocol 5, out-of-band) and travel in one anonymous memfd whose descriptor
+rides along with the message. The receiver maps it and rebuilds arrays as views on
+that mapping: one memcpy on the sending side, none on the receiving side, and
+nothing named in /dev/shm that could leak if a process is killed.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import socket
+import struct
+import time
+
+# kind, pickle length, buffer count, memfd size
+_HEADER = struct.Struct("!BQIQ")
+_SPAN = struct.Struct("!QQ")
+_ALIGN = 64
+# Below this a buffer is cheaper to copy through the socket than to map.
+_OUT_OF_BAND_MIN_BYTES = 64 * 1024
+
+REQUEST, RESULT, ERROR = 1, 2, 3
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        module = type(obj).__module__
+        if module.startswith("torch"):
+            return _reduce_tensor(obj)
+        if module.startswith("PIL."):
+            return _reduce_image(obj)
+        if module == "numpy":
+            return _reduce_strided_array(obj)
+        return NotImplemented
+
+
+def _reduce_tensor(obj):
+    import torch
+
+    if type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.layout != torch.strided:
+        return NotImplemented
+    tensor = obj.detach()
+    if any(step < 0 for step in tensor.stride()) or tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg().contiguous()
+    stand_in = _NUMPY_LESS_DTYPES.get(tensor.dtype)
+    array = (tensor.view(stand_in) if stand_in else tensor).numpy()
+    return _rebuild_tensor, (array, str(tensor.dtype).removeprefix("torch."), obj.requires_grad)
+
+
+def _rebuild_tensor(array, dtype_name, requires_grad):
+    import torch
+
+    tensor = torch.from_numpy(array)
+    dtype = getattr(torch, dtype_name)
+    if tensor.dtype != dtype:
+        tensor = tensor.view(dtype)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _numpy_less_dtypes():
+    try:
+        import torch
+    except ImportError:
+        return {}
+    # dtypes numpy cannot hold: carried as same-width integers, viewed back on arrival.
+    found = {torch.bfloat16: torch.int16}
+    for name, stand_in in (("float8_e4m3fn", torch.uint8), ("float8_e5m2", torch.uint8)):
+        if hasattr(torch, name):
+            found[getattr(torch, name)] = stand_in
+    return found
+
+
+class _LazyDtypes(dict):
+    def get(self, key, default=None):
+        if not self:
+            self.update(_numpy_less_dtypes())
+        return super().get(key, default)
+
+
+_NUMPY_LESS_DTYPES = _LazyDtypes()
+
+_IMAGE_MODES_BY_BUFFER = {"1", "L", "LA", "P", "RGB", "RGBA", "RGBX", "CMYK", "I", "F", "I;16"}
+
+
+def _reduce_image(obj):
+    from PIL import Image
+
+    if not isinstance(obj, Image.Image) or obj.mode not in _IMAGE_MODES_BY_BUFFER:
+        return NotImplemented
+    obj.load()
+    palette = obj.getpalette(rawmode="RGBA") if obj.mode == "P" else None
+    pixels = pickle.PickleBuffer(obj.tobytes())
+    return _rebuild_image, (obj.mode, obj.size, pixels, dict(obj.info), palette)
+
+
+def _rebuild_image(mode, size, pixels, info, palette):
+    from PIL import Image
+
+    if mode == "1":  # the raw decoder packs bits; frombuffer cannot share them
+        image = Image.frombytes(mode, size, bytes(pixels))
+    else:
+        image = Image.frombuffer(mode, size, pixels, "raw", mode, 0, 1)
+    if palette is not None:
+        image.putpalette(palette, rawmode="RGBA")
+    image.info.update(info)
+    return image
+
+
+def _reduce_strided_array(obj):
+    """numpy pickles a non-contiguous array by copying it into the stream; send the
+    memory span it views instead, so transposed decoder output keeps its strides."""
+    import numpy as np
+
+    if type(obj) is not np.ndarray or obj.flags.c_contiguous or obj.flags.f_contiguous:
+        return NotImplemented
+    if obj.dtype.hasobject or obj.size == 0 or any(s < 0 for s in obj.strides):
+        return NotImplemented
+    span = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides)) + obj.itemsize
+    if span > 2 * obj.nbytes:
+        return NotImplemented
+    # A view on the same memory; encode() keeps the pickled object alive until copied.
+    start = obj.__array_interface__["data"][0]
+    flat = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * span).from_address(start))
+    return _rebuild_strided_array, (flat, obj.dtype.str, obj.shape, obj.strides)
+
+
+def _rebuild_strided_array(flat, dtype, shape, strides):
+    import numpy as np
+
+    return np.ndarray(shape, np.dtype(dtype), buffer=flat, strides=strides)
+
+
+def encode(kind: int, obj) -> tuple[bytes, int]:
+    """Pickle ``obj``; return the message bytes and a memfd (or -1) holding large buffers."""
+    buffers: list[memoryview] = []
+
+    def route(buffer: pickle.PickleBuffer) -> bool:
+        view = buffer.raw()
+        if view.nbytes < _OUT_OF_BAND_MIN_BYTES:
+            return True
+        buffers.append(view)
+        return False
+
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=5, buffer_callback=route).dump(obj)
+    spans, offset = [], 0
+    for view in buffers:
+        spans.append((offset, view.nbytes))
+        offset += -(-view.nbytes // _ALIGN) * _ALIGN
+    fd = _fill_memfd(buffers, spans, offset) if buffers else -1
+    body = stream.getvalue()
+    table = b"".join(_SPAN.pack(*span) for span in spans)
+    return _HEADER.pack(kind, len(body), len(spans), offset) + table + body, fd
+
+
+def _fill_memfd(buffers, spans, size) -> int:
+    fd = os.memfd_create("swift-safe-media", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as target:
+            for view, (offset, length) in zip(buffers, spans):
+                target[offset:offset + length] = view
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def send(sock: socket.socket, kind: int, obj, deadline: float | None = None) -> None:
+    send_encoded(sock, *encode(kind, obj), deadline)
+
+
+def send_encoded(sock: socket.socket, message: bytes, fd: int, deadline: float | None = None) -> None:
+    """Send what :func:`encode` made; closes ``fd`` in every case."""
+    try:
+        _set_deadline(sock, deadline)
+        if fd < 0:
+            sock.sendall(message)
+            return
+        sent = socket.send_fds(sock, [message], [fd])
+        if sent < len(message):
+            sock.sendall(memoryview(message)[sent:])
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle.Unpickler):
+    """Return ``(kind, obj)``. EOFError when the peer is gone, TimeoutError past the deadline."""
+    _set_deadline(sock, deadline)
+    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
+    try:
+        if not head:
+            raise EOFError("peer closed the connection")
+        head += receive_exactly(sock, _HEADER.size - len(head), deadline)
+        kind, body_size, count, memfd_size = _HEADER.unpack(head)
+        rest = receive_exactly(sock, count * _SPAN.size + body_size, deadline)
+        if count and not fds:
+            raise EOFError("message announced shared buffers but carried no descriptor")
+        buffers = []
+        if count:
+            mapping = mmap.mmap(fds[0], memfd_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            whole = memoryview(mapping)
+            for index in range(count):
+                offset, length = _SPAN.unpack_from(rest, index * _SPAN.size)
+                buffers.append(whole[offset:offset + length])
+        body = memoryview(rest)[count * _SPAN.size:]
+        return kind, unpickler(io.BytesIO(body), buffers=buffers).load()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def receive_exactly(sock, size: int, deadline=None) -> bytearray:
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        _set_deadline(sock, deadline)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("peer closed the connection mid-message")
+        got += n
+    return data
+
+
+def _set_deadline(sock, deadline) -> None:
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(remaining)
