@@ -50,6 +50,15 @@ class RemoteTraceback(Exception):
 class _Sandbox:
     def __init__(self, pid: int, conn: socket.socket):
         self.pid, self.conn = pid, conn
+        # Arena blocks whose arrays the caller has dropped; appended to by finalizers.
+        self.returned_blocks: list[int] = []
+
+    def hand_back_blocks(self, deadline) -> None:
+        ids = []
+        while self.returned_blocks:
+            ids.append(self.returned_blocks.pop())
+        if ids:
+            transport.send(self.conn, transport.RETURN_BLOCKS, ids, deadline)
 
     def is_alive(self) -> bool:
         """An idle sandbox never writes: anything readable means it closed or died."""
@@ -220,20 +229,25 @@ class Engine:
 
     # -- calls --------------------------------------------------------------------
     def run(self, fn, args, kwargs, timeout: float, path):
-        message, fd = _encode_request(fn, args, kwargs)
+        message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._checkout()
         except (OSError, EOFError) as exc:
-            if fd >= 0:
+            if owned:
                 os.close(fd)
             raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
         self.stats["calls"] += 1
         started = time.monotonic()
         deadline = started + timeout
         try:
-            sending, fd = fd, -1
-            transport.send_encoded(box.conn, message, sending, deadline)
-            kind, payload = transport.receive(box.conn, deadline)
+            try:
+                box.hand_back_blocks(deadline)
+            except BaseException:
+                if owned:
+                    os.close(fd)
+                raise
+            transport.send_encoded(box.conn, message, fd, owned, deadline)
+            kind, payload = transport.receive(box.conn, deadline, returned_blocks=box.returned_blocks)
         except TimeoutError:
             self.stats["timeouts"] += 1
             self._replace(box)

@@ -185,15 +185,24 @@ def _limit_threads() -> None:
         sys.modules["cv2"].setNumThreads(threads)
 
 
+arena: transport.SharedArena | None = None
+
+
 def serve(conn, memory_cap_mb: int = 0) -> None:
+    global arena
+    arena = transport.SharedArena()
     while True:
         try:
-            _, (fn, args, kwargs) = transport.receive(conn, unpickler=_SandboxUnpickler)
+            kind, request = transport.receive(conn, unpickler=_SandboxUnpickler)
         except (EOFError, ConnectionError):
             os._exit(0)
         except BaseException as exc:
             _reply_error(conn, exc, memory_cap_mb)
             continue
+        if kind == transport.RETURN_BLOCKS:
+            arena.take_back(request)
+            continue
+        fn, args, kwargs = request
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
@@ -202,7 +211,7 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
         finally:
             fn = args = kwargs = None
         try:
-            transport.send(conn, transport.RESULT, result)
+            transport.send(conn, transport.RESULT, result, arena=arena)
         except (BrokenPipeError, ConnectionError):
             os._exit(0)
         except BaseException as exc:

@@ -5,26 +5,33 @@ Large buffers (numpy arrays, CPU tensors, PIL pixel data) leave the pickle strea
 rides along with the message. The receiver maps it and rebuilds arrays as views on
 that mapping: one memcpy on the sending side, none on the receiving side, and
 nothing named in /dev/shm that could leak if a process is killed.
+
+A sandbox lends its memfds from a :class:`SharedArena`: allocating fresh shared pages
+costs about eight times the memcpy itself (68 ms against 8 ms for 88 MB here), so a
+block comes back to the arena once the caller has dropped every array viewing it.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import mmap
 import os
 import pickle
 import socket
 import struct
 import time
+import weakref
 
-# kind, pickle length, buffer count, memfd size
-_HEADER = struct.Struct("!BQIQ")
+# kind, pickle length, buffer count, memfd bytes used, arena block id (0: not lent)
+_HEADER = struct.Struct("!BQIQQ")
 _SPAN = struct.Struct("!QQ")
 _ALIGN = 64
 # Below this a buffer is cheaper to copy through the socket than to map.
 _OUT_OF_BAND_MIN_BYTES = 64 * 1024
 
-REQUEST, RESULT, ERROR = 1, 2, 3
+REQUEST, RESULT, ERROR, RETURN_BLOCKS = 1, 2, 3, 4
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _Pickler(pickle.Pickler):
@@ -135,8 +142,59 @@ def _rebuild_strided_array(flat, dtype, shape, strides):
     return np.ndarray(shape, np.dtype(dtype), buffer=flat, strides=strides)
 
 
-def encode(kind: int, obj) -> tuple[bytes, int]:
-    """Pickle ``obj``; return the message bytes and a memfd (or -1) holding large buffers."""
+class _Block:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.fd = os.memfd_create("swift-safe-media", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, capacity)
+            self.mapping = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.id = 0
+
+    def close(self):
+        self.mapping.close()
+        os.close(self.fd)
+
+
+class SharedArena:
+    """Sandbox-side pool of memfd blocks, reused once the caller hands them back."""
+
+    def __init__(self, max_idle_bytes: int = 1 << 30):
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: dict[int, list[_Block]] = {}
+        self._lent: dict[int, _Block] = {}
+        self._ids = itertools.count(1)
+
+    def lend(self, size: int) -> _Block:
+        capacity = 1 << max(20, (size - 1).bit_length())
+        idle = self._idle.get(capacity)
+        block = idle.pop() if idle else _Block(capacity)
+        block.id = next(self._ids)
+        self._lent[block.id] = block
+        return block
+
+    def counts(self) -> tuple[int, int]:
+        """(blocks lent to the caller, idle blocks kept for reuse)"""
+        return len(self._lent), sum(len(blocks) for blocks in self._idle.values())
+
+    def take_back(self, ids) -> None:
+        for block_id in ids:
+            block = self._lent.pop(block_id, None)
+            if block is None:
+                continue
+            idle_bytes = sum(b.capacity for blocks in self._idle.values() for b in blocks)
+            if idle_bytes + block.capacity <= self.max_idle_bytes:
+                self._idle.setdefault(block.capacity, []).append(block)
+            else:
+                block.close()
+
+
+def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int, bool]:
+    """Pickle ``obj``. Returns the message, a memfd holding its large buffers (or -1),
+    and whether that descriptor is the caller's to close (not when the arena lent it)."""
     buffers: list[memoryview] = []
 
     def route(buffer: pickle.PickleBuffer) -> bool:
@@ -148,35 +206,48 @@ def encode(kind: int, obj) -> tuple[bytes, int]:
 
     stream = io.BytesIO()
     _Pickler(stream, protocol=5, buffer_callback=route).dump(obj)
-    spans, offset = [], 0
+    spans, size = [], 0
     for view in buffers:
-        spans.append((offset, view.nbytes))
-        offset += -(-view.nbytes // _ALIGN) * _ALIGN
-    fd = _fill_memfd(buffers, spans, offset) if buffers else -1
+        spans.append((size, view.nbytes))
+        size += -(-view.nbytes // _ALIGN) * _ALIGN
+    fd, owned, block_id = -1, False, 0
+    if buffers:
+        if arena is not None:
+            block = arena.lend(size)
+            _copy_into(block.mapping, buffers, spans)
+            fd, block_id = block.fd, block.id
+        else:
+            fd, owned = _fresh_memfd(buffers, spans, size), True
     body = stream.getvalue()
     table = b"".join(_SPAN.pack(*span) for span in spans)
-    return _HEADER.pack(kind, len(body), len(spans), offset) + table + body, fd
+    return _HEADER.pack(kind, len(body), len(spans), size, block_id) + table + body, fd, owned
 
 
-def _fill_memfd(buffers, spans, size) -> int:
+def _copy_into(target, buffers, spans) -> None:
+    for view, (offset, length) in zip(buffers, spans):
+        target[offset:offset + length] = view
+
+
+def _fresh_memfd(buffers, spans, size) -> int:
     fd = os.memfd_create("swift-safe-media", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as target:
-            for view, (offset, length) in zip(buffers, spans):
-                target[offset:offset + length] = view
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) as target:
+            _copy_into(target, buffers, spans)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def send(sock: socket.socket, kind: int, obj, deadline: float | None = None) -> None:
-    send_encoded(sock, *encode(kind, obj), deadline)
+def send(sock: socket.socket, kind: int, obj, deadline: float | None = None,
+         arena: SharedArena | None = None) -> None:
+    send_encoded(sock, *encode(kind, obj, arena), deadline)
 
 
-def send_encoded(sock: socket.socket, message: bytes, fd: int, deadline: float | None = None) -> None:
-    """Send what :func:`encode` made; closes ``fd`` in every case."""
+def send_encoded(sock: socket.socket, message: bytes, fd: int, owned: bool,
+                 deadline: float | None = None) -> None:
+    """Send what :func:`encode` made, closing ``fd`` afterwards if ``owned``."""
     try:
         _set_deadline(sock, deadline)
         if fd < 0:
@@ -186,25 +257,31 @@ def send_encoded(sock: socket.socket, message: bytes, fd: int, deadline: float |
         if sent < len(message):
             sock.sendall(memoryview(message)[sent:])
     finally:
-        if fd >= 0:
+        if owned:
             os.close(fd)
 
 
-def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle.Unpickler):
-    """Return ``(kind, obj)``. EOFError when the peer is gone, TimeoutError past the deadline."""
+def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle.Unpickler,
+            returned_blocks: list | None = None):
+    """Return ``(kind, obj)``. EOFError when the peer is gone, TimeoutError past the deadline.
+
+    When the message's buffers sit in a lent arena block, its id is appended to
+    ``returned_blocks`` once nothing views the mapping any more."""
     _set_deadline(sock, deadline)
     head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
     try:
         if not head:
             raise EOFError("peer closed the connection")
         head += receive_exactly(sock, _HEADER.size - len(head), deadline)
-        kind, body_size, count, memfd_size = _HEADER.unpack(head)
+        kind, body_size, count, memfd_size, block_id = _HEADER.unpack(head)
         rest = receive_exactly(sock, count * _SPAN.size + body_size, deadline)
         if count and not fds:
             raise EOFError("message announced shared buffers but carried no descriptor")
         buffers = []
         if count:
-            mapping = mmap.mmap(fds[0], memfd_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            mapping = mmap.mmap(fds[0], memfd_size, flags=mmap.MAP_SHARED)
+            if block_id and returned_blocks is not None:
+                weakref.finalize(mapping, returned_blocks.append, block_id)
             whole = memoryview(mapping)
             for index in range(count):
                 offset, length = _SPAN.unpack_from(rest, index * _SPAN.size)

@@ -127,3 +127,13 @@ def raise_decode_error(path):
     from swift_safe_media import MediaDecodeError
 
     raise MediaDecodeError(None, "no video stream")
+
+
+def arena_counts():
+    from swift_safe_media import sandbox
+
+    return sandbox.arena.counts()
+
+
+def filled_frames(value, count=8):
+    return np.full((count, 360, 640, 3), value, dtype=np.uint8)

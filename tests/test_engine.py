@@ -332,3 +332,22 @@ def test_shutdown_reaps_everything(fresh_engine):
             if b"swift_safe_media" in cmdline.read():
                 ours.append(child)
     assert ours == []
+
+
+def test_shared_blocks_are_reused_only_after_the_caller_drops_them():
+    import gc
+
+    swift_safe_media.shutdown()
+    first = call(sandboxed.filled_frames, 1)
+    assert call(sandboxed.arena_counts) == (1, 0)
+    second = call(sandboxed.filled_frames, 2)  # `first` is alive: a new block, not its memory
+    assert call(sandboxed.arena_counts) == (2, 0)
+    assert (first == 1).all() and (second == 2).all()
+    del first
+    gc.collect()
+    third = call(sandboxed.filled_frames, 3)  # reuses the block `first` gave back
+    assert call(sandboxed.arena_counts) == (2, 0)
+    assert (second == 2).all() and (third == 3).all()
+    del second, third
+    gc.collect()
+    assert call(sandboxed.arena_counts) == (0, 2)
