@@ -8,11 +8,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: test demo bench ffmpeg clean
 
-$(STAMP): requirements-test.txt pyproject.toml
+SOURCES := $(shell find swift_safe_media -name '*.py') _swift_safe_media_startup.py swift_safe_media.pth setup.py
+
+$(STAMP): requirements-test.txt pyproject.toml $(SOURCES)
 	@$(MAKE) --no-print-directory ffmpeg
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@# A regular install, not editable: the start-up hook (.pth) ships only in a wheel.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
 	@touch $(STAMP)
 
 ffmpeg:

@@ -11,6 +11,9 @@ THREADS = "SWIFT_SAFE_MEDIA_THREADS"
 PRELOAD = "SWIFT_SAFE_MEDIA_PRELOAD"
 SANDBOXES = "SWIFT_SAFE_MEDIA_SANDBOXES"
 START_TIMEOUT = "SWIFT_SAFE_MEDIA_START_TIMEOUT"
+MP_CONTEXT = "SWIFT_SAFE_MEDIA_MP_CONTEXT"
+
+MP_CONTEXTS = ("spawn", "forkserver", "fork", "default")
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 180.0
@@ -66,3 +69,27 @@ def max_sandboxes() -> int:
 def preload_modules() -> list[str]:
     raw = os.environ.get(PRELOAD, DEFAULT_PRELOAD)
     return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def mp_context() -> str:
+    """Start method for DataLoader workers; "default" leaves the host's choice alone."""
+    value = os.environ.get(MP_CONTEXT, "").strip().lower() or "spawn"
+    if value not in MP_CONTEXTS:
+        raise ValueError(f"{MP_CONTEXT}={value!r} must be one of {', '.join(MP_CONTEXTS)}")
+    return value
+
+
+_WRITABLE = {"timeout": TIMEOUT, "max_memory_mb": MAX_MEMORY_MB, "mp_context": MP_CONTEXT}
+
+
+def write(**settings) -> None:
+    """Write settings given explicitly (flags, ``enable(...)``) over the environment."""
+    for key, value in settings.items():
+        if value is not None:
+            os.environ[_WRITABLE[key]] = str(value)
+    validate()
+
+
+def validate() -> None:
+    """Raise ValueError naming the variable if any setting is malformed."""
+    timeout(), max_memory_mb(), mp_context(), decoder_threads(), max_sandboxes()

@@ -158,6 +158,8 @@ class Engine:
             while True:
                 if self._closed:
                     raise RuntimeError("swift_safe_media engine is shut down")
+                if self._idle and (self._zygote is None or not self._zygote.is_alive()):
+                    self._drop_orphaned_sandboxes()
                 while self._idle:
                     box = self._idle.pop()
                     if box.is_alive():
@@ -176,6 +178,13 @@ class Engine:
                 self._lock.notify()
             raise
 
+    def _drop_orphaned_sandboxes(self) -> None:
+        """Sandboxes of a dead zygote are dying of PR_SET_PDEATHSIG, maybe not dead yet."""
+        for box in self._idle:
+            sandbox._kill_group(box.pid)
+            box.conn.close()
+        self._idle.clear()
+
     def _checkin(self, box: _Sandbox) -> None:
         with self._lock:
             self._busy -= 1
@@ -187,25 +196,36 @@ class Engine:
             self._busy -= 1
             self._lock.notify()
 
-    def _spawn(self) -> _Sandbox:
-        deadline = time.monotonic() + config.start_timeout()
+    def _spawn(self, deadline: float | None = None) -> _Sandbox:
         with self._zygote_lock:
             if self._zygote is None or not self._zygote.is_alive():
-                if self._zygote is not None:
-                    self._zygote.close(wait=0.5)
+                self._drop_zygote()
                 self._zygote = _Zygote(config.start_timeout())
-            box = self._zygote.spawn(config.max_memory_mb(), deadline)
+            try:
+                box = self._zygote.spawn(config.max_memory_mb(),
+                                         deadline or time.monotonic() + config.start_timeout())
+            except BaseException:
+                self._drop_zygote()  # a reply may still be on its way: the channel is out of step
+                raise
         self.stats["sandboxes_started"] += 1
         return box
+
+    def _drop_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close(wait=0.5)
+            self._zygote = None
 
     def _end(self, box: _Sandbox) -> tuple[int, int]:
         """Kill the sandbox's whole process group, then collect its exit status."""
         sandbox._kill_group(box.pid)
         box.conn.close()
         with self._zygote_lock:
+            if self._zygote is None:
+                return -1, 0
             try:
                 return self._zygote.reap(box.pid, time.monotonic() + 5.0)
             except (OSError, EOFError):
+                self._drop_zygote()
                 return -1, 0
 
     def _discard_quietly(self, box: _Sandbox) -> None:
@@ -217,8 +237,13 @@ class Engine:
         """End a failed sandbox and start its successor now, so the next call finds it ready."""
         killed_at = time.monotonic()
         status = self._end(box)
+        zygote = self._zygote
+        if zygote is None or not zygote.is_alive():
+            self._release_slot()  # restarting a zygote takes seconds: leave it to the next call
+            return status
         try:
-            successor = self._spawn()
+            # Bounded, so the caller's error is never held up by a slow fork.
+            successor = self._spawn(deadline=killed_at + 2.0)
         except BaseException as exc:
             log.warning("swift_safe_media: could not start a replacement sandbox yet: %s", exc)
             self._release_slot()

@@ -351,3 +351,13 @@ def test_shared_blocks_are_reused_only_after_the_caller_drops_them():
     del second, third
     gc.collect()
     assert call(sandboxed.arena_counts) == (0, 2)
+
+
+def test_a_killed_zygote_is_restarted(fresh_engine):
+    call(sandboxed.add, 1, 1)
+    zygote = get_engine()._zygote.process
+    zygote.kill()
+    zygote.wait()
+    # The idle sandbox died with its zygote (PR_SET_PDEATHSIG); the next call notices both.
+    assert call(sandboxed.add, 2, 2, timeout=60) == 4
+    assert get_engine()._zygote.process.pid != zygote.pid

@@ -1,0 +1,47 @@
+"""Start-up hook, imported by ``swift_safe_media.pth`` in every interpreter.
+
+Cheap (no import beyond ``os`` and ``sys``), run-once and failing open: it only
+watches for a host framework (ms-swift, LeRobot) to begin importing, then hands over
+to ``swift_safe_media.integrations``, which reads ``SWIFT_SAFE_MEDIA`` and the flags.
+"""
+
+import os
+import sys
+
+_HOSTS = ("swift", "lerobot")
+
+
+class _HostWatcher:
+    """A meta-path finder that finds nothing; it notices a host's first import."""
+
+    def __init__(self):
+        self.pending = set(_HOSTS)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.pending:
+            self.pending.discard(fullname)
+            if not self.pending:
+                sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
+            try:
+                from swift_safe_media import integrations
+
+                integrations.on_host_imported(fullname)
+            except Exception as exc:  # never break the user's interpreter
+                print(f"swift_safe_media: start-up hook skipped for {fullname}: {exc!r}", file=sys.stderr)
+        return None
+
+
+def install() -> None:
+    if getattr(sys, "_swift_safe_media_watcher", None) is not None:
+        return
+    if any(name in sys.modules for name in _HOSTS):
+        return  # too late to watch; enable() explicitly
+    sys._swift_safe_media_watcher = watcher = _HostWatcher()
+    sys.meta_path.insert(0, watcher)
+
+
+if os.environ.get("SWIFT_SAFE_MEDIA_STARTUP_HOOK", "1") != "0":
+    try:
+        install()
+    except Exception:
+        pass

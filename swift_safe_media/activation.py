@@ -1,0 +1,37 @@
+"""``enable`` / ``disable`` / ``is_enabled``: the package-level switch.
+
+Settings are written to the environment, the single source of truth, so DataLoader
+workers, ``swift sft``'s child processes and sandboxes all see the same values; the
+start-up hook (``swift_safe_media.pth``) turns the package on in every child where
+``SWIFT_SAFE_MEDIA=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import config
+
+
+def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
+           mp_context: str | None = None, hosts=None) -> None:
+    """Protect media decoding in this process and in every child it starts."""
+    from . import integrations
+
+    config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context)
+    os.environ[integrations.ENABLED] = "1"
+    integrations.enable_hosts(hosts)
+
+
+def disable() -> None:
+    """Restore the hosts' own loaders here, and keep children from turning protection on."""
+    from . import integrations
+
+    os.environ[integrations.ENABLED] = "0"
+    integrations.disable_hosts()
+
+
+def is_enabled() -> bool:
+    from . import integrations
+
+    return bool(integrations.enabled_hosts())

@@ -1,0 +1,129 @@
+"""Host-framework adapters, applied when their host is imported.
+
+Each adapter module (one per host, dd-trace style) provides:
+
+- ``HOST``: the host's top-level import name; ``DISTRIBUTION``: its package name;
+- ``SUPPORTED``: ``(lowest, first_unsupported)`` version tuples, declared once;
+- ``TRIGGER_MODULES``: modules whose import (re)applies the patch;
+- ``patch()`` / ``unpatch()`` / ``is_patched()``: idempotent; ``unpatch`` restores exactly;
+- optionally ``register_flags()``: adds the host's command-line flags, which must parse
+  even while the package is off, so a command line that has them never breaks.
+
+``patch`` fails open: if it raises, the host is restored, one warning is logged, and
+training goes on without protection rather than not at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import re
+
+from . import _imports
+
+log = logging.getLogger("swift_safe_media")
+
+ADAPTERS = {
+    "swift": "swift_safe_media.integrations.swift",
+    "lerobot": "swift_safe_media.integrations.lerobot",
+}
+
+ENABLED = "SWIFT_SAFE_MEDIA"
+_OFF = ("0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
+
+_enabled_hosts: set[str] = set()
+_warned: set[str] = set()
+
+
+def env_state() -> bool | None:
+    """True/False when ``SWIFT_SAFE_MEDIA`` turns the package on/off, None when unset."""
+    raw = os.environ.get(ENABLED, "").strip().lower()
+    return True if raw in _ON else False if raw in _OFF else None
+
+
+def parse_version(text: str | None) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text or "")[:3])
+
+
+def installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported(adapter) -> bool:
+    version = adapter.get_version()
+    lowest, first_unsupported = adapter.SUPPORTED
+    if version is not None and lowest <= parse_version(version) < first_unsupported:
+        return True
+    _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version} is outside the "
+                             f"supported range {_range(adapter.SUPPORTED)}; leaving it untouched")
+    return False
+
+
+def _range(supported) -> str:
+    lowest, first_unsupported = supported
+    return f">={'.'.join(map(str, lowest))},<{'.'.join(map(str, first_unsupported))}"
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def adapter_for(host: str):
+    return importlib.import_module(ADAPTERS[host])
+
+
+def _apply(host: str) -> None:
+    if host not in _enabled_hosts:
+        return
+    adapter = adapter_for(host)
+    if not is_supported(adapter):
+        return
+    try:
+        adapter.patch()
+    except Exception:
+        log.exception("swift_safe_media: could not patch %s; it runs unprotected", adapter.DISTRIBUTION)
+        try:
+            adapter.unpatch()
+        except Exception:
+            log.exception("swift_safe_media: could not restore %s", adapter.DISTRIBUTION)
+
+
+def enable_hosts(hosts=None) -> None:
+    for host in hosts or ADAPTERS:
+        if host in _enabled_hosts:
+            continue
+        _enabled_hosts.add(host)
+        for module_name in adapter_for(host).TRIGGER_MODULES:
+            _imports.when_imported(module_name, lambda _module, host=host: _apply(host))
+
+
+def disable_hosts() -> None:
+    for host in list(_enabled_hosts):
+        _enabled_hosts.discard(host)
+        adapter = adapter_for(host)
+        for module_name in adapter.TRIGGER_MODULES:
+            _imports.clear(module_name)
+        adapter.unpatch()
+
+
+def enabled_hosts() -> set[str]:
+    return set(_enabled_hosts)
+
+
+def on_host_imported(host: str) -> None:
+    """Called by the start-up hook as a host package begins importing."""
+    adapter = adapter_for(host)
+    register_flags = getattr(adapter, "register_flags", None)
+    if register_flags is not None:
+        for module_name in getattr(adapter, "FLAG_MODULES", ()):
+            _imports.when_imported(module_name, lambda _module: register_flags())
+    if env_state():
+        enable_hosts([host])
