@@ -137,3 +137,8 @@ def arena_counts():
 
 def filled_frames(value, count=8):
     return np.full((count, 360, 640, 3), value, dtype=np.uint8)
+
+
+def sleep_then_pid(seconds):
+    time.sleep(seconds)
+    return os.getpid()

@@ -361,3 +361,17 @@ def test_a_killed_zygote_is_restarted(fresh_engine):
     # The idle sandbox died with its zygote (PR_SET_PDEATHSIG); the next call notices both.
     assert call(sandboxed.add, 2, 2, timeout=60) == 4
     assert get_engine()._zygote.process.pid != zygote.pid
+
+
+def test_more_sandboxes_run_threads_in_parallel(fresh_engine, monkeypatch):
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_SANDBOXES", "2")
+    call(sandboxed.add, 0, 0)  # start the zygote outside the timing
+    pids, threads = [], []
+    for _ in range(2):
+        threads.append(threading.Thread(target=lambda: pids.append(call(sandboxed.sleep_then_pid, 1.0))))
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(set(pids)) == 2 and time.monotonic() - started < 1.9

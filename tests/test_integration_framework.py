@@ -1,0 +1,170 @@
+"""The adapter machinery on a small host package written at test time: each import /
+enable / disable order runs in a fresh interpreter, as dd-trace's PatchTestCase does.
+(The ms-swift and LeRobot adapters are tested against the real hosts elsewhere.)"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+HOST_FILES = {
+    "fakehost/__init__.py": "__version__ = '{version}'\n",
+    "fakehost/media.py": "def load(path):\n    return 'stock ' + path\n",
+    "fakehost/user.py": "from .media import load\nfrom .media import load as renamed_load\n",
+    "fake_adapter.py": textwrap.dedent("""
+        import sys
+        from swift_safe_media.integrations._patching import Patcher
+
+        HOST = DISTRIBUTION = "fakehost"
+        SUPPORTED = ((1, 0), (2, 0))
+        TRIGGER_MODULES = ("fakehost.media",)
+        _patcher = Patcher(("fakehost",))
+
+        def get_version():
+            return sys.modules["fakehost"].__version__ if "fakehost" in sys.modules else None
+
+        def safe_load(path):
+            if path == "explode":
+                raise RuntimeError("adapter bug")
+            return "safe " + path
+
+        def patch():
+            _patcher.replace("fakehost.media", "load", safe_load)
+            if "{fail}" == "yes":
+                raise RuntimeError("cannot patch this host")
+
+        def unpatch():
+            _patcher.restore()
+
+        def is_patched():
+            return bool(_patcher)
+    """),
+}
+
+PRELUDE = textwrap.dedent("""
+    import logging, os, sys
+    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+    import swift_safe_media
+    from swift_safe_media import integrations
+    integrations.ADAPTERS.clear()
+    integrations.ADAPTERS["fakehost"] = "fake_adapter"
+    def state():
+        import fakehost.media, fakehost.user
+        return (fakehost.media.load("a"), fakehost.user.load("a"), fakehost.user.renamed_load("a"))
+""")
+
+
+def run_order(tmp_path, body, version="1.4", fail="no"):
+    for name, text in HOST_FILES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text.replace("{version}", version).replace("{fail}", fail))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    env.pop("SWIFT_SAFE_MEDIA", None)
+    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines(), done.stderr
+
+
+SAFE = "('safe a', 'safe a', 'safe a')"
+STOCK = "('stock a', 'stock a', 'stock a')"
+
+
+def test_enable_before_host_import(tmp_path):
+    out, _ = run_order(tmp_path, """
+        swift_safe_media.enable()
+        print(state(), swift_safe_media.is_enabled(), os.environ["SWIFT_SAFE_MEDIA"])
+    """)
+    assert out == [f"{SAFE} True 1"]
+
+
+def test_enable_after_host_import(tmp_path):
+    out, _ = run_order(tmp_path, """
+        print(state())
+        swift_safe_media.enable()
+        print(state())
+    """)
+    assert out == [STOCK, SAFE]
+
+
+def test_enable_disable_enable_and_double_enable(tmp_path):
+    out, _ = run_order(tmp_path, """
+        import fakehost.media
+        stock = fakehost.media.load
+        swift_safe_media.enable(); swift_safe_media.enable()
+        print(state(), fakehost.media.load.__wrapped__ is stock)
+        swift_safe_media.disable()
+        print(state(), fakehost.media.load is stock, os.environ["SWIFT_SAFE_MEDIA"], swift_safe_media.is_enabled())
+        swift_safe_media.enable()
+        print(state())
+        import fake_adapter
+        print(sorted(fake_adapter._patcher.sites()))
+    """)
+    assert out == [f"{SAFE} True", f"{STOCK} True 0 False", SAFE,
+                   "[('fakehost.media', 'load'), ('fakehost.user', 'load'), ('fakehost.user', 'renamed_load')]"]
+
+
+def test_settings_reach_the_environment(tmp_path):
+    out, _ = run_order(tmp_path, """
+        swift_safe_media.enable(timeout=7.5, mp_context="forkserver", max_memory_mb=1024)
+        print(os.environ["SWIFT_SAFE_MEDIA_TIMEOUT"], os.environ["SWIFT_SAFE_MEDIA_MP_CONTEXT"],
+              os.environ["SWIFT_SAFE_MEDIA_MAX_MEMORY_MB"])
+        try:
+            swift_safe_media.enable(mp_context="threads")
+        except ValueError as exc:
+            print("refused:", exc)
+    """)
+    assert out[0] == "7.5 forkserver 1024"
+    assert out[1].startswith("refused: SWIFT_SAFE_MEDIA_MP_CONTEXT='threads'")
+
+
+def test_unsupported_version_warns_once_and_leaves_the_host_alone(tmp_path):
+    out, err = run_order(tmp_path, """
+        import fakehost.media
+        swift_safe_media.enable()
+        print(state())
+        import importlib; importlib.reload(fakehost.media)
+    """, version="2.1")
+    assert out == [STOCK]
+    assert err.count("fakehost 2.1 is outside the supported range >=1.0,<2.0") == 1
+
+
+def test_a_patch_that_fails_is_undone(tmp_path):
+    out, err = run_order(tmp_path, """
+        swift_safe_media.enable()
+        print(state())
+    """, fail="yes")
+    assert out == [STOCK]
+    assert "could not patch fakehost; it runs unprotected" in err
+
+
+@pytest.mark.parametrize("value, expected", [("1", SAFE), ("0", STOCK), (None, STOCK)])
+def test_startup_hook_follows_the_environment(tmp_path, value, expected):
+    """The installed .pth watches the host's first import; SWIFT_SAFE_MEDIA decides."""
+    body = """
+        import sys
+        sys.modules.pop("fakehost", None)
+        import _swift_safe_media_startup as startup
+        startup._HOSTS = ("fakehost",)
+        del sys._swift_safe_media_watcher
+        startup.install()
+        print(state())
+    """
+    if value is not None:
+        body = f"os.environ['SWIFT_SAFE_MEDIA'] = '{value}'\n" + textwrap.dedent(body)
+    out, _ = run_order(tmp_path, body)
+    assert out == [expected]
+
+
+def test_startup_hook_is_installed_and_cheap():
+    """`swift_safe_media.pth` runs at start-up: it imports nothing but its own tiny module."""
+    code = ("import sys; print(hasattr(sys, '_swift_safe_media_watcher'), "
+            "'swift_safe_media' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd="/")
+    assert done.stdout.split() == ["True", "False"], "install the package (make test does) for the .pth"
