@@ -23,8 +23,8 @@ import sys
 import threading
 import time
 
-from . import config, sandbox, transport
-from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
+from . import config, quarantine, sandbox, transport
+from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined
 
 log = logging.getLogger("swift_safe_media")
 
@@ -433,7 +433,19 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
     if _in_sandbox:
         return fn(*args, **kwargs)
     timeout = config.timeout() if timeout is None else float(timeout)
-    return get_engine().run(fn, args, kwargs, timeout, path_hint(args, kwargs, path))
+    media = path_hint(args, kwargs, path)
+    registry = quarantine.current() if media is not None else None
+    if registry is not None:
+        registry.check(media)
+    try:
+        return get_engine().run(fn, args, kwargs, timeout, media)
+    except MediaDecodeError as exc:
+        if registry is not None and not isinstance(exc, MediaQuarantined):
+            registry.record(media, _FAILURE_KINDS.get(type(exc), "error"), exc.reason, exc.elapsed)
+        raise
+
+
+_FAILURE_KINDS = {MediaDecodeTimeout: "timeout", MediaDecodeCrash: "crash"}
 
 
 def isolated(timeout: float | None = None):
