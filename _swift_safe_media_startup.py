@@ -40,8 +40,18 @@ def install() -> None:
     sys.meta_path.insert(0, watcher)
 
 
+def answer_stack_dumps() -> None:
+    """A spawned DataLoader worker of a watched run prints its stacks on request."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGRTMIN + 7, file=sys.stderr, all_threads=True, chain=False)
+
+
 if os.environ.get("SWIFT_SAFE_MEDIA_STARTUP_HOOK", "1") != "0":
     try:
         install()
+        if os.environ.get("SWIFT_SAFE_MEDIA_INFLIGHT_DIR"):
+            answer_stack_dumps()
     except Exception:
         pass

@@ -14,13 +14,16 @@ from . import config
 
 
 def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
-           mp_context: str | None = None, hosts=None) -> None:
+           mp_context: str | None = None, stall_timeout: float | None = None,
+           stall_action: str | None = None, hosts=None) -> None:
     """Protect media decoding in this process and in every child it starts."""
-    from . import integrations
+    from . import integrations, watchdog
 
-    config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context)
+    config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
+                 stall_timeout=stall_timeout, stall_action=stall_action)
     os.environ[integrations.ENABLED] = "1"
     integrations.enable_hosts(hosts)
+    watchdog.install()
 
 
 def disable() -> None:

@@ -12,6 +12,8 @@ PRELOAD = "SWIFT_SAFE_MEDIA_PRELOAD"
 SANDBOXES = "SWIFT_SAFE_MEDIA_SANDBOXES"
 START_TIMEOUT = "SWIFT_SAFE_MEDIA_START_TIMEOUT"
 MP_CONTEXT = "SWIFT_SAFE_MEDIA_MP_CONTEXT"
+STALL_TIMEOUT = "SWIFT_SAFE_MEDIA_STALL_TIMEOUT"
+STALL_ACTION = "SWIFT_SAFE_MEDIA_STALL_ACTION"
 
 MP_CONTEXTS = ("spawn", "forkserver", "fork", "default")
 
@@ -79,7 +81,8 @@ def mp_context() -> str:
     return value
 
 
-_WRITABLE = {"timeout": TIMEOUT, "max_memory_mb": MAX_MEMORY_MB, "mp_context": MP_CONTEXT}
+_WRITABLE = {"timeout": TIMEOUT, "max_memory_mb": MAX_MEMORY_MB, "mp_context": MP_CONTEXT,
+             "stall_timeout": STALL_TIMEOUT, "stall_action": STALL_ACTION}
 
 
 def write(**settings) -> None:
@@ -93,3 +96,16 @@ def write(**settings) -> None:
 def validate() -> None:
     """Raise ValueError naming the variable if any setting is malformed."""
     timeout(), max_memory_mb(), mp_context(), decoder_threads(), max_sandboxes()
+    stall_timeout(), stall_action()
+
+
+def stall_timeout() -> float:
+    """Seconds without a batch before the watchdog reports; 0: off."""
+    return _number(STALL_TIMEOUT, 0.0, float, minimum=0.0)
+
+
+def stall_action() -> str:
+    action = os.environ.get(STALL_ACTION, "").strip().lower() or "log"
+    if action not in ("log", "abort"):
+        raise ValueError(f"{STALL_ACTION}={action!r} must be 'log' or 'abort'")
+    return action

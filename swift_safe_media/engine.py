@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from . import config, quarantine, sandbox, transport
+from . import config, quarantine, sandbox, transport, watchdog
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined
 
 log = logging.getLogger("swift_safe_media")
@@ -437,12 +437,16 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
     registry = quarantine.current() if media is not None else None
     if registry is not None:
         registry.check(media)
+    tracker = watchdog.in_flight()
+    marker = tracker.begin(media, fn) if tracker is not None else ""
     try:
         return get_engine().run(fn, args, kwargs, timeout, media)
     except MediaDecodeError as exc:
         if registry is not None and not isinstance(exc, MediaQuarantined):
             registry.record(media, _FAILURE_KINDS.get(type(exc), "error"), exc.reason, exc.elapsed)
         raise
+    finally:
+        watchdog.InFlight.end(marker)
 
 
 _FAILURE_KINDS = {MediaDecodeTimeout: "timeout", MediaDecodeCrash: "crash"}

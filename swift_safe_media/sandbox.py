@@ -148,7 +148,9 @@ def _become_sandbox(conn, memory_cap_mb: int, parent: int) -> None:
     _cap_memory(memory_cap_mb)
     _limit_threads()
     faulthandler.enable()
-    from . import engine
+    from . import engine, watchdog
+
+    watchdog.answer_stack_dumps()
 
     engine.mark_in_sandbox()
     serve(conn, memory_cap_mb)

@@ -27,3 +27,20 @@ class SandboxedDataset(torch.utils.data.Dataset):
         except MediaDecodeError as exc:
             item["error"] = f"{type(exc).__name__}: {exc}"
         return item
+
+
+class StallingDataset(torch.utils.data.Dataset):
+    """Items 2 and 3 never return: one is stuck in its sandbox, one in the worker itself,
+    both in a native call that holds the GIL."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        if index == 0:
+            return call(sandboxed.add, 0, 0)  # worker 0's sandbox is up before it gets stuck
+        if index == 2:
+            call(sandboxed.hold_gil_on_locked_mutex, path="/data/stuck_in_sandbox.mp4", timeout=600)
+        if index == 3:
+            sandboxed.hold_gil_on_locked_mutex()
+        return index

@@ -1,0 +1,242 @@
+"""Stall watchdog: when the training loop receives no batch for N seconds, say where
+every process stands.
+
+It logs the Python stacks of the main process, of every DataLoader worker and of
+their sandboxes, and the media each worker has in flight. Stacks come from
+``faulthandler``, whose signal handler walks the thread states in C, so it answers
+even while a native call holds the GIL. With ``SWIFT_SAFE_MEDIA_STALL_ACTION=abort``
+the process then exits with code 75 (EX_TEMPFAIL), so a scheduler can restart it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import weakref
+
+from . import config
+
+log = logging.getLogger("swift_safe_media")
+
+INFLIGHT_DIR = "SWIFT_SAFE_MEDIA_INFLIGHT_DIR"  # set by the watchdog; workers inherit it
+STALL_EXIT_CODE = 75
+# SIGUSR1/2 are often taken (SLURM requeue handlers); a real-time signal is not.
+DUMP_SIGNAL = signal.SIGRTMIN + 7
+
+
+def answer_stack_dumps() -> None:
+    """Make this process print its stacks on DUMP_SIGNAL (idempotent, run-once)."""
+    try:
+        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    except (ValueError, RuntimeError, OSError, AttributeError):
+        pass
+
+
+class InFlight:
+    """What this process is decoding now, kept in a small file the watchdog can read."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def begin(self, path, fn) -> str:
+        name = os.path.join(self.directory, f"{os.getpid()}-{threading.get_ident()}.json")
+        try:
+            with open(name, "w") as out:
+                json.dump({"pid": os.getpid(), "path": path, "function": getattr(fn, "__qualname__", repr(fn)),
+                           "since": time.time()}, out)
+        except OSError:
+            return ""
+        return name
+
+    @staticmethod
+    def end(name: str) -> None:
+        if name:
+            try:
+                os.unlink(name)
+            except OSError:
+                pass
+
+
+def in_flight() -> InFlight | None:
+    directory = os.environ.get(INFLIGHT_DIR)
+    return InFlight(directory) if directory and os.path.isdir(directory) else None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _catches(pid: int, signum: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            text = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    if "exec_sandbox_main" in text or ("zygote_main" in text and _parent_is_zygote(pid)):
+        return "sandbox"
+    if "zygote_main" in text:
+        return "zygote"
+    if "multiprocessing" in text:
+        return "worker"
+    return text[:80]
+
+
+def _parent_is_zygote(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            parent = stat.read().rsplit(")", 1)[1].split()[1]
+        with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
+            return b"zygote_main" in cmdline.read()
+    except (OSError, IndexError):
+        return False
+
+
+class Watchdog:
+    def __init__(self, timeout: float, action: str):
+        self.timeout, self.action = timeout, action
+        self.last_batch = time.monotonic()
+        self.iterating = 0
+        self.fired = False
+        self.inflight_dir = tempfile.mkdtemp(prefix="swift-safe-media-inflight-")
+        os.environ[INFLIGHT_DIR] = self.inflight_dir
+        answer_stack_dumps()  # forked workers inherit the handler; spawned ones get it from the .pth
+        self._thread = threading.Thread(target=self._watch, name="swift-safe-media-watchdog", daemon=True)
+        self._thread.start()
+
+    def batch_received(self) -> None:
+        self.last_batch = time.monotonic()
+        self.fired = False
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            idle = time.monotonic() - self.last_batch
+            if self.iterating and not self.fired and idle >= self.timeout:
+                self.fired = True
+                self.report(idle)
+                if self.action == "abort":
+                    self.abort()
+
+    def report(self, idle: float) -> None:
+        lines = [f"swift_safe_media: STALL: no batch for {idle:.0f} s "
+                 f"({config.STALL_TIMEOUT}={self.timeout:g}); stacks of every process follow"]
+        for record in self._in_flight():
+            lines.append(f"  in flight in pid {record['pid']}: {record['path']} "
+                         f"({record['function']}, for {time.time() - record['since']:.0f} s)")
+        log.error("\n".join(lines))
+        sys.stderr.write(f"--- stacks of the main process (pid {os.getpid()}) ---\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        for pid in _descendants(os.getpid()):
+            # Only processes that answer: the default action of a real-time signal is to die.
+            if not _catches(pid, DUMP_SIGNAL):
+                continue
+            sys.stderr.write(f"--- stacks of pid {pid} ({_describe(pid)}) ---\n")
+            sys.stderr.flush()
+            try:
+                os.kill(pid, DUMP_SIGNAL)
+            except (ProcessLookupError, PermissionError):
+                continue
+            time.sleep(0.3)  # one at a time, so their stacks do not interleave on the shared stderr
+
+    def abort(self) -> None:
+        log.error("swift_safe_media: aborting the stalled run (exit code %d)", STALL_EXIT_CODE)
+        # A worker stuck in native code never notices its parent is gone: take the
+        # whole tree down, or the restarted job would share the node with orphans.
+        for pid in reversed(_descendants(os.getpid())):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(STALL_EXIT_CODE)
+
+    def _in_flight(self) -> list[dict]:
+        records = []
+        for name in sorted(os.listdir(self.inflight_dir)):
+            try:
+                with open(os.path.join(self.inflight_dir, name)) as record:
+                    records.append(json.load(record))
+            except (OSError, ValueError):
+                continue
+        return records
+
+
+_watchdog: Watchdog | None = None
+_installed = False
+
+
+def install() -> Watchdog | None:
+    """Watch DataLoader iteration in this process if a stall timeout is configured."""
+    global _watchdog, _installed
+    timeout = config.stall_timeout()
+    if timeout <= 0 or _watchdog is not None:
+        return _watchdog
+    _watchdog = Watchdog(timeout, config.stall_action())
+    if not _installed:
+        _installed = True
+        _patch_dataloader_iteration()
+    return _watchdog
+
+
+def _patch_dataloader_iteration() -> None:
+    from torch.utils.data import dataloader
+
+    base = dataloader._BaseDataLoaderIter
+    original_next = base.__next__
+
+    def __next__(self):
+        watchdog = _watchdog
+        if watchdog is None:
+            return original_next(self)
+        if not getattr(self, "_swift_safe_media_watched", False):
+            self._swift_safe_media_watched = True
+            watchdog.iterating += 1
+            watchdog.batch_received()
+            weakref.finalize(self, _iteration_ended, watchdog)
+        try:
+            batch = original_next(self)
+        except StopIteration:
+            watchdog.batch_received()
+            raise
+        watchdog.batch_received()
+        return batch
+
+    base.__next__ = __next__
+
+
+def _iteration_ended(watchdog: Watchdog) -> None:
+    watchdog.iterating -= 1
