@@ -249,7 +249,7 @@ def test_threads_in_the_zygote_switch_sandboxes_to_exec(fresh_engine, monkeypatc
 def test_dataloader_workers_each_get_a_sandbox(start_method, fifo):
     import torch.utils.data
 
-    from .datasets import SandboxedDataset
+    from .loader_datasets import SandboxedDataset
 
     parent_sandbox = call(sandboxed.sandbox_pid)
     dataset = SandboxedDataset(8, fifo_index=5, fifo=fifo)

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     import logging, sys
     import torch.utils.data
     from swift_safe_media import watchdog
-    from tests.datasets import StallingDataset
+    from tests.loader_datasets import StallingDataset
 
     if __name__ == "__main__":
         logging.basicConfig(level=logging.INFO, format="LOG %(message)s")

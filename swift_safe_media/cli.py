@@ -1,0 +1,61 @@
+"""``swift-safe-media`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from . import config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="swift-safe-media",
+                                     description="Bounded, isolated media decoding for training pipelines.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    scan = commands.add_parser("scan", help="decode every media item of a dataset and report the bad ones")
+    scan.add_argument("target", help="ms-swift dataset file (.jsonl/.json/.csv), LeRobot dataset root, or directory")
+    scan.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="parallel sandboxes")
+    scan.add_argument("--timeout", type=float, default=None,
+                      help=f"seconds per item (default: {config.TIMEOUT} or {config.DEFAULT_TIMEOUT_S:g})")
+    scan.add_argument("--report", help="write the JSON report here")
+    scan.add_argument("--quarantine", help="record every problem in this quarantine registry (JSONL)")
+    scan.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return run_scan(args)
+
+
+def run_scan(args) -> int:
+    from . import quarantine, scan, shutdown
+
+    if args.timeout is not None:
+        config.write(timeout=args.timeout)
+    os.environ.pop(quarantine.QUARANTINE, None)  # a scan tries every file, quarantined or not
+    try:
+        items = scan.collect(args.target)
+    except (OSError, ValueError) as exc:
+        print(f"swift-safe-media scan: {exc}", file=sys.stderr)
+        return 2
+    print(f"scanning {len(items)} media items from {args.target} with {args.workers} workers", file=sys.stderr)
+    progress = None if args.no_progress or not items else scan.print_progress
+    problems, elapsed = scan.scan(items, args.workers, progress)
+    shutdown()
+    print(scan.format_table(problems))
+    summary = scan.report(items, problems, elapsed, args.workers, config.timeout())
+    print(f"\n{len(items)} scanned, {len(problems)} with problems, {elapsed:.1f} s "
+          f"({summary['items_per_s'] or 0:.1f} items/s)")
+    if args.report:
+        with open(args.report, "w") as out:
+            json.dump(summary, out, indent=2)
+    if args.quarantine:
+        registry = quarantine.Registry(args.quarantine)
+        for problem in problems:
+            registry.record(problem.path, "scan", problem.problem, problem.elapsed)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
