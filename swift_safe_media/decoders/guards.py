@@ -1,0 +1,178 @@
+"""Checks that run before FFmpeg, libsndfile or torchcodec touch a file, and the caps.
+
+FFmpeg follows playlists (HLS, concat, ...) to other paths, and an open() of a FIFO
+blocks forever; so a file must be a regular, non-empty file whose first bytes are a
+known media container before anything decodes it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+from ..errors import MediaDecodeError
+
+MAX_PIXELS = "SWIFT_SAFE_MEDIA_MAX_PIXELS"
+MAX_AUDIO_SECONDS = "SWIFT_SAFE_MEDIA_MAX_AUDIO_SECONDS"
+MAX_URL_BYTES = "SWIFT_SAFE_MEDIA_MAX_URL_BYTES"
+
+DEFAULT_MAX_PIXELS = 1_000_000_000          # 3 GB as RGB uint8: ~480 frames of 1080p
+DEFAULT_MAX_AUDIO_SECONDS = 4 * 3600.0      # 4 h mono float32 at 16 kHz is ~0.9 GB
+DEFAULT_MAX_URL_BYTES = 1 << 30
+
+HEAD_BYTES = 64
+
+
+def _env_number(name: str, default, kind):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(float(raw))
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps for one loader call. Read in the caller, so a changed environment applies at once."""
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
+    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+
+    @classmethod
+    def from_env(cls) -> "Limits":
+        return cls(_env_number(MAX_PIXELS, DEFAULT_MAX_PIXELS, int),
+                   _env_number(MAX_AUDIO_SECONDS, DEFAULT_MAX_AUDIO_SECONDS, float),
+                   _env_number(MAX_URL_BYTES, DEFAULT_MAX_URL_BYTES, int))
+
+
+def check_pixels(label, frames: int, height: int, width: int, limits: Limits) -> None:
+    total = frames * height * width
+    if total > limits.max_pixels:
+        raise MediaDecodeError(label, f"decoded pixels cap exceeded: {frames} frames of {width}x{height} = "
+                                      f"{total} > {limits.max_pixels} ({MAX_PIXELS})")
+
+
+def check_audio_seconds(label, seconds: float, limits: Limits) -> None:
+    if seconds > limits.max_audio_seconds:
+        raise MediaDecodeError(label, f"audio duration cap exceeded: {seconds:.1f} s > "
+                                      f"{limits.max_audio_seconds:.1f} s ({MAX_AUDIO_SECONDS})")
+
+
+# Text formats that make FFmpeg open other files or URLs. All are refused by the
+# allow-list anyway; these get a reason that says what was found.
+_INDIRECTIONS = (
+    (b"#EXTM3U", "HLS playlist refused"),
+    (b"#EXT-X-", "HLS playlist refused"),
+    (b"ffconcat", "ffconcat playlist refused"),
+    (b"[playlist]", "PLS playlist refused"),
+    (b"<?xml", "XML document refused (DASH manifest, SMIL or similar)"),
+    (b"<MPD", "DASH manifest refused"),
+    (b"<smil", "SMIL playlist refused"),
+    (b"file ", "concat list refused"),
+)
+
+
+def _is_mp3_frame(head: bytes) -> bool:
+    # MPEG audio frame sync (11 bits set); layer bits 00 are reserved, so require a layer.
+    return len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06 != 0
+
+
+def container_of(head: bytes) -> str | None:
+    """Name of the media container these first bytes start, or None if not an allowed one."""
+    if head[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip", b"pnot"):
+        return "mp4/mov"
+    if head.startswith(b"\x1a\x45\xdf\xa3"):
+        return "matroska/webm"
+    if head.startswith((b"RIFF", b"RIFX", b"RF64")) and head[8:12] in (b"WAVE", b"AVI ", b"AVIX"):
+        return "wav" if head[8:12] == b"WAVE" else "avi"
+    if head.startswith(b"fLaC"):
+        return "flac"
+    if head.startswith(b"OggS"):
+        return "ogg"
+    if head.startswith(b"ID3") or _is_mp3_frame(head):
+        return "mp3/aac"  # ADTS AAC shares the sync word
+    if head.startswith(b"FORM") and head[8:12] in (b"AIFF", b"AIFC"):
+        return "aiff"
+    if head.startswith(b"caff"):
+        return "caf"
+    if head.startswith(b"\x30\x26\xb2\x75\x8e\x66\xcf\x11"):
+        return "asf/wmv"
+    if head.startswith(b"FLV\x01"):
+        return "flv"
+    if head.startswith(b"\x00\x00\x01\xba"):
+        return "mpeg-ps"
+    if head[:1] == b"G":
+        return "mpeg-ts"  # the 0x47 sync byte; the second packet is checked by check_head
+    if head.startswith((b"#!AMR", b".snd", b"wvpk", b"MAC ")):
+        return "amr/au/wavpack/ape"
+    return None
+
+
+def check_head(label, head: bytes, size: int) -> str:
+    """Raise unless `head` (the first bytes of a `size`-byte input) starts a media container."""
+    if size == 0:
+        raise MediaDecodeError(label, "zero-byte file")
+    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    for magic, reason in _INDIRECTIONS:
+        if stripped[:len(magic)].lower() == magic.lower():
+            raise MediaDecodeError(label, reason)
+    kind = container_of(head)
+    if kind is None:
+        raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
+    return kind
+
+
+def _mpegts_synced(read_at, size: int) -> bool:
+    return size >= 189 and read_at(188, 1) == b"G"
+
+
+def check_regular(label, path: str) -> os.stat_result:
+    """Raise unless `path` is an existing, non-empty regular file (never opens it)."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise MediaDecodeError(label, "no such file") from None
+    except OSError as exc:
+        raise MediaDecodeError(label, f"cannot stat: {exc.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise MediaDecodeError(label, "is a directory, not a media file")
+    if not stat.S_ISREG(info.st_mode):
+        kind = "FIFO" if stat.S_ISFIFO(info.st_mode) else "socket" if stat.S_ISSOCK(info.st_mode) \
+            else "device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "special file"
+        raise MediaDecodeError(label, f"not a regular file ({kind})")
+    if info.st_size == 0:
+        raise MediaDecodeError(label, "zero-byte file")
+    return info
+
+
+def check_file(label, path: str) -> str:
+    """Raise unless `path` is a regular non-empty file holding an allowed container."""
+    info = check_regular(label, path)
+    # O_NONBLOCK: if the path was swapped for a FIFO since the stat, open() must not wait.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise MediaDecodeError(label, f"cannot open: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise MediaDecodeError(label, "not a regular file")
+        head = os.pread(fd, HEAD_BYTES, 0)
+        kind = check_head(label, head, info.st_size)
+        if kind == "mpeg-ts" and not _mpegts_synced(lambda off, n: os.pread(fd, n, off), info.st_size):
+            raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
+    finally:
+        os.close(fd)
+    return kind
+
+
+def check_bytes(label, data: bytes) -> str:
+    kind = check_head(label, data[:HEAD_BYTES], len(data))
+    if kind == "mpeg-ts" and not _mpegts_synced(lambda off, n: data[off:off + n], len(data)):
+        raise MediaDecodeError(label, f"not a known media container (first bytes {data[:12]!r})")
+    return kind

@@ -1,0 +1,189 @@
+"""Safe twins of ``qwen_vl_utils.fetch_video`` / ``qwen_omni_utils.fetch_video`` (the same
+code in both packages) and of ``qwen_omni_utils``' audio loading (``process_audio_info``).
+
+Frames are chosen with the stock formulas (time range, ``nframes`` or ``fps``) applied
+to the frames the file really holds, decoded in the sandbox with torchcodec, then resized
+here exactly as stock does (torchvision bicubic with antialias, then float).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from .. import engine
+from . import audio, guards, inputs, video
+
+# Constants of qwen_vl_utils 0.0.14 / qwen_omni_utils 0.0.9 vision_process.
+SPATIAL_MERGE_SIZE = 2
+VIDEO_MIN_TOKEN_NUM = 128
+VIDEO_MAX_TOKEN_NUM = 768
+IMAGE_MIN_TOKEN_NUM = 4
+IMAGE_MAX_TOKEN_NUM = 16384
+MAX_RATIO = 200
+FPS = 2.0
+FRAME_FACTOR = 2
+FPS_MIN_FRAMES = 4
+FPS_MAX_FRAMES = 768
+OMNI_SAMPLE_RATE = 16000
+
+_SAMPLING_KEYS = ("nframes", "fps", "min_frames", "max_frames", "video_start", "video_end")
+
+
+def _round_to(number, factor):
+    return round(number / factor) * factor
+
+
+def _ceil_to(number, factor):
+    return math.ceil(number / factor) * factor
+
+
+def _floor_to(number, factor):
+    return math.floor(number / factor) * factor
+
+
+def smart_resize(height, width, factor, min_pixels=None, max_pixels=None):
+    """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept."""
+    max_pixels = IMAGE_MAX_TOKEN_NUM * factor ** 2 if max_pixels is None else max_pixels
+    min_pixels = IMAGE_MIN_TOKEN_NUM * factor ** 2 if min_pixels is None else min_pixels
+    if max(height, width) / min(height, width) > MAX_RATIO:
+        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
+                         f"got {max(height, width) / min(height, width)}")
+    h, w = max(factor, _round_to(height, factor)), max(factor, _round_to(width, factor))
+    if h * w > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)
+        h, w = _floor_to(height / scale, factor), _floor_to(width / scale, factor)
+    elif h * w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        h, w = _ceil_to(height * scale, factor), _ceil_to(width * scale, factor)
+    return h, w
+
+
+def frame_range(ele, total_frames, fps):
+    """(first, last, count) of the frames inside ele's video_start/video_end, in seconds."""
+    if fps <= 0 or total_frames <= 0:
+        raise ValueError("video_fps and total_frames must be positive")
+    start, end = ele.get("video_start"), ele.get("video_end")
+    if start is None and end is None:
+        return 0, total_frames - 1, total_frames
+    longest = total_frames / fps
+    first = math.ceil(max(0.0, min(start, longest)) * fps) if start is not None else 0
+    last = total_frames - 1
+    if end is not None:
+        last = min(math.floor(max(0.0, min(end, longest)) * fps), total_frames - 1)
+    if first >= last:
+        raise ValueError(f"Invalid time range: start frame {first} is not before end frame {last} "
+                         f"({total_frames} frames @ {fps} fps)")
+    return first, last, last - first + 1
+
+
+def frame_count(ele, total_frames, fps):
+    """How many frames to sample: ``nframes``, or ``fps`` frames per second within bounds."""
+    if "fps" in ele and "nframes" in ele:
+        raise ValueError("Only accept either `fps` or `nframes`")
+    if "nframes" in ele:
+        count = _round_to(ele["nframes"], FRAME_FACTOR)
+    else:
+        lowest = _ceil_to(ele.get("min_frames", FPS_MIN_FRAMES), FRAME_FACTOR)
+        highest = _floor_to(ele.get("max_frames", min(FPS_MAX_FRAMES, total_frames)), FRAME_FACTOR)
+        wanted = total_frames / fps * ele.get("fps", FPS)
+        count = _floor_to(min(min(max(wanted, lowest), highest), total_frames), FRAME_FACTOR)
+    if not FRAME_FACTOR <= count <= total_frames:
+        raise ValueError(f"nframes should in interval [{FRAME_FACTOR}, {total_frames}], but got {count}.")
+    return count
+
+
+def qwen_indices(info: video.VideoInfo, ele):
+    import torch
+    first, last, total = frame_range(ele, info.num_frames, info.fps)
+    count = frame_count(ele, total, info.fps)
+    return torch.linspace(first, last, count).round().long().tolist()
+
+
+def _resize_video(frames, ele, image_patch_size):
+    """Stock's pixel budget and resize, on a uint8 (T, C, H, W) tensor; returns float32."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional
+
+    factor = image_patch_size * SPATIAL_MERGE_SIZE
+    nframes, _, height, width = frames.shape
+    min_pixels = ele.get("min_pixels", VIDEO_MIN_TOKEN_NUM * factor * factor)
+    seq_len = int(float(os.environ.get("MODEL_SEQ_LEN", 128000)))
+    total_pixels = ele.get("total_pixels", seq_len * factor * factor * 0.9)
+    max_pixels = max(min(VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * FRAME_FACTOR),
+                     int(min_pixels * 1.05))
+    max_pixels = min(ele.get("max_pixels", max_pixels), max_pixels)
+    if "resized_height" in ele and "resized_width" in ele:
+        size = smart_resize(ele["resized_height"], ele["resized_width"], factor=factor)
+    else:
+        size = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return functional.resize(frames, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+
+
+def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_video_metadata):
+    # A video given as a list of images: stock code, run in the sandbox (no video decoder involved).
+    from qwen_vl_utils import fetch_video as stock_fetch_video
+    return stock_fetch_video(ele, image_patch_size, return_video_sample_fps, return_video_metadata)
+
+
+def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_video_metadata=False):
+    """float32 tensor (T, C, H, W) [, metadata dict] [, sample_fps], as qwen_vl_utils returns."""
+    import torch
+
+    if not isinstance(ele["video"], str):
+        return engine.call(_stock_fetch_frames, ele, image_patch_size, return_video_sample_fps,
+                           return_video_metadata, path=str(ele["video"][0]) if ele["video"] else None)
+    source = inputs.describe(ele["video"])
+    sampling = {key: ele[key] for key in _SAMPLING_KEYS if key in ele}
+    frames, info, indices = engine.call(video.sample, source, guards.Limits.from_env(), inputs.url_timeout(),
+                                        qwen_indices, sampling, path=source.label)
+    _, _, total = frame_range(sampling, info.num_frames, info.fps)
+    sample_fps = len(indices) / max(total, 1e-6) * info.fps
+    resized = _resize_video(torch.from_numpy(frames).permute(0, 3, 1, 2), ele, image_patch_size)
+    metadata = dict(fps=info.fps, frames_indices=indices, total_num_frames=total,
+                    video_backend=os.environ.get("FORCE_QWENVL_VIDEO_READER", "torchcodec"))
+    result = (resized, metadata) if return_video_metadata else resized
+    return (result, sample_fps) if return_video_sample_fps else result
+
+
+def _omni_audio(path, start, end):
+    source = inputs.describe(path)
+    duration = (end - start) if end is not None else None
+    samples, _ = engine.call(audio.load, source, guards.Limits.from_env(), inputs.url_timeout(), OMNI_SAMPLE_RATE,
+                             True, start, duration, path=source.label)
+    return samples
+
+
+def process_audio_info(conversations, use_audio_in_video):
+    """List of mono float32 arrays at 16 kHz (or None), as qwen_omni_utils returns.
+
+    A video without an audio stream raises MediaDecodeError("no audio stream") where
+    stock fails an assert."""
+    audios = []
+    if isinstance(conversations[0], dict):
+        conversations = [conversations]
+    for conversation in conversations:
+        for message in conversation:
+            if not isinstance(message["content"], list):
+                continue
+            for ele in message["content"]:
+                if ele["type"] == "audio":
+                    if "audio" not in ele and "audio_url" not in ele:
+                        raise ValueError(f"Unknown audio {ele}")
+                    path = ele.get("audio", ele.get("audio_url"))
+                    start, end = ele.get("audio_start", 0.0), ele.get("audio_end", None)
+                    if isinstance(path, np.ndarray):
+                        if path.ndim > 1:
+                            raise ValueError("Support only mono audio")
+                        stop = None if end is None else int(OMNI_SAMPLE_RATE * end)
+                        audios.append(path[int(OMNI_SAMPLE_RATE * start):stop])
+                        continue
+                    audios.append(_omni_audio(path, start, end))
+                elif use_audio_in_video and ele["type"] == "video":
+                    if "video" not in ele and "video_url" not in ele:
+                        raise ValueError(f"Unknown video {ele}")
+                    path = ele.get("video", ele.get("video_url"))
+                    audios.append(_omni_audio(path, ele.get("video_start", 0.0), ele.get("video_end", None)))
+    return audios or None

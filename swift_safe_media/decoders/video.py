@@ -1,0 +1,142 @@
+"""Video decoding with torchcodec, run inside the sandbox.
+
+How frames are counted and indexed, for every loader
+-----------------------------------------------------
+Stock loaders take the frame count from the container header (decord, PyAV's
+``stream.frames``, OpenCV) and then ask for frames by index. When the container lies
+(an edit list after a stream-copy cut at a non-keyframe, a frame flagged for discard,
+a truncated file), the header promises frames that never decode, and decord spins
+forever looking for them (decord #373).
+
+Here the count is what torchcodec's exact scan finds: the number of frames that the
+file really holds (``num_frames_from_content``). The frame rate is that count divided by
+the scanned stream duration (torchcodec's ``average_fps``), which equals the header's
+average frame rate (decord's ``get_avg_fps()``) whenever the header is right. Each
+loader then applies the stock sampling formula to that count and rate, so on an honest
+file the indices are the stock ones, and on a lying file they are the ones stock
+would pick if the header were right. Index ``i`` is the ``i``-th decodable frame in
+presentation order, as in decord.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import config
+from ..errors import MediaDecodeError
+from . import guards, inputs
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    num_frames: int
+    fps: float
+    duration: float
+    width: int
+    height: int
+    nominal_fps: float = 0.0  # the stream's r_frame_rate; what moviepy calls fps
+
+
+class Seconds(list):
+    """Sample times, returned by index rules of loaders that pick frames by time
+    (moviepy). Each time gets the frame shown at that moment."""
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def open_video(label, data):
+    """A torchcodec decoder over `data` (guarded path or bytes), and what the file holds."""
+    from torchcodec.decoders import VideoDecoder
+
+    try:
+        decoder = VideoDecoder(data, seek_mode="exact", dimension_order="NHWC",
+                               num_ffmpeg_threads=config.decoder_threads())
+    except Exception as exc:
+        raise MediaDecodeError(label, f"cannot open video: {_reason(exc)}") from None
+    meta = decoder.metadata
+    num_frames = meta.num_frames_from_content or 0
+    if num_frames <= 0:
+        raise MediaDecodeError(label, "no decodable video frames")
+    duration = meta.duration_seconds or 0.0
+    fps = meta.average_fps or 0.0
+    if not math.isfinite(fps) or fps <= 0:
+        fps = meta.average_fps_from_header or 0.0
+    if not math.isfinite(fps) or fps <= 0:
+        raise MediaDecodeError(label, "stream reports zero fps and no usable duration")
+    if not math.isfinite(duration) or duration <= 0:
+        duration = num_frames / fps
+    nominal = meta.average_fps_from_header
+    nominal = float(nominal) if nominal and math.isfinite(nominal) and nominal > 0 else float(fps)
+    return decoder, VideoInfo(num_frames, float(fps), float(duration), meta.width, meta.height, nominal)
+
+
+def frames_at(label, decoder, info: VideoInfo, indices, limits: guards.Limits):
+    """uint8 array (N, H, W, 3) of the frames at `indices`, after the pixel cap."""
+    indices = [int(i) for i in indices]
+    guards.check_pixels(label, len(indices), info.height, info.width, limits)
+    if not indices:
+        raise MediaDecodeError(label, "no frames selected")
+    bad = [i for i in indices if not 0 <= i < info.num_frames]
+    if bad:
+        raise MediaDecodeError(label, f"frame index {bad[0]} outside the {info.num_frames} decodable frames")
+    try:
+        batch = decoder.get_frames_at(indices)
+    except Exception as exc:
+        raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
+    return batch.data.numpy()
+
+
+def frames_played_at(label, decoder, info: VideoInfo, seconds, limits: guards.Limits):
+    """uint8 array (N, H, W, 3) of the frames shown at `seconds`, after the pixel cap."""
+    guards.check_pixels(label, len(seconds), info.height, info.width, limits)
+    if not seconds:
+        raise MediaDecodeError(label, "no frames selected")
+    meta = decoder.metadata
+    first, last = meta.begin_stream_seconds or 0.0, meta.end_stream_seconds or info.duration
+    seconds = [min(max(float(t), first), math.nextafter(last, first)) for t in seconds]
+    try:
+        batch = decoder.get_frames_played_at(seconds)
+    except Exception as exc:
+        raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
+    return batch.data.numpy()
+
+
+def sample(source: inputs.Source, limits: guards.Limits, url_timeout, pick, *pick_args):
+    """Sandbox entry: open, choose frames with ``pick(info, *pick_args)``, decode them.
+
+    `pick` returns frame indices, or `Seconds`. Returns (frames uint8 (N, H, W, 3),
+    VideoInfo, the indices or times as a list)."""
+    data = inputs.materialize(source, limits, url_timeout)
+    decoder, info = open_video(source.label, data)
+    picked = pick(info, *pick_args)
+    if isinstance(picked, Seconds):
+        return frames_played_at(source.label, decoder, info, picked, limits), info, list(picked)
+    indices = [int(i) for i in picked]
+    return frames_at(source.label, decoder, info, indices, limits), info, indices
+
+
+def load_images(sources, limits: guards.Limits, url_timeout):
+    """Sandbox entry: a list of image inputs (a video given as frames) as one uint8 array."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    frames = []
+    for source in sources:
+        if source.kind == "path":
+            guards.check_regular(source.label, source.value)
+        data = inputs.download(source.value, limits, url_timeout) if source.kind == "url" else source.value
+        try:
+            with Image.open(data if isinstance(data, str) else io.BytesIO(data)) as image:
+                guards.check_pixels(source.label, len(sources), image.height, image.width, limits)
+                frames.append(np.asarray(image.convert("RGB")))
+        except MediaDecodeError:
+            raise
+        except Exception as exc:
+            raise MediaDecodeError(source.label, f"cannot load image: {_reason(exc)}") from None
+    return np.stack(frames)
