@@ -173,15 +173,18 @@ class Watchdog:
 
     def abort(self) -> None:
         log.error("swift_safe_media: aborting the stalled run (exit code %d)", STALL_EXIT_CODE)
-        # A worker stuck in native code never notices its parent is gone: take the
-        # whole tree down, or the restarted job would share the node with orphans.
-        for pid in reversed(_descendants(os.getpid())):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         logging.shutdown()
         sys.stderr.flush()
+        # A worker stuck in native code never notices its parent is gone, so the whole
+        # tree must go, or the restarted job shares the node with orphans. They are
+        # killed only after we exit: killing a DataLoader worker first would make the
+        # DataLoader's SIGCHLD handler raise in the main thread and win the race to exit.
+        stuck = " ".join(str(pid) for pid in _descendants(os.getpid()))
+        if stuck:
+            quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+            os.posix_spawn("/bin/sh", ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; "
+                                                   f"do sleep 0.05; done; kill -9 {stuck} 2>/dev/null"],
+                           os.environ, file_actions=quiet)
         os._exit(STALL_EXIT_CODE)
 
     def _in_flight(self) -> list[dict]:
