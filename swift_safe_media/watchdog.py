@@ -87,6 +87,26 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+# Waits until the aborting process has exited (gone, or a zombie its parent has not
+# reaped yet), then kills what it left behind.
+_KILL_AFTER_EXIT = """
+import os, sys, time
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+while alive(int(sys.argv[1])):
+    time.sleep(0.05)
+for pid in sys.argv[2:]:
+    try:
+        os.kill(int(pid), 9)
+    except OSError:
+        pass
+"""
+
+
 def _catches(pid: int, signum: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as status:
@@ -179,11 +199,10 @@ class Watchdog:
         # tree must go, or the restarted job shares the node with orphans. They are
         # killed only after we exit: killing a DataLoader worker first would make the
         # DataLoader's SIGCHLD handler raise in the main thread and win the race to exit.
-        stuck = " ".join(str(pid) for pid in _descendants(os.getpid()))
+        stuck = [str(pid) for pid in _descendants(os.getpid())]
         if stuck:
             quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
-            os.posix_spawn("/bin/sh", ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; "
-                                                   f"do sleep 0.05; done; kill -9 {stuck} 2>/dev/null"],
+            os.posix_spawn(sys.executable, [sys.executable, "-S", "-c", _KILL_AFTER_EXIT, str(os.getpid()), *stuck],
                            os.environ, file_actions=quiet)
         os._exit(STALL_EXIT_CODE)
 
