@@ -9,6 +9,7 @@ start-up hook (``swift_safe_media.pth``) turns the package on in every child whe
 from __future__ import annotations
 
 import os
+import tempfile
 
 from . import config
 
@@ -22,8 +23,24 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action)
     os.environ[integrations.ENABLED] = "1"
+    _choose_stats_dir()
     integrations.enable_hosts(hosts)
     watchdog.install()
+
+
+def _choose_stats_dir() -> None:
+    """Per-process decode statistics go next to the quarantine registry, else to a
+    fresh temporary folder; workers inherit the choice through the environment."""
+    from . import quarantine, summary
+
+    if os.environ.get(summary.STATS_DIR):
+        return
+    registry = os.environ.get(quarantine.QUARANTINE, "").strip()
+    if registry:
+        os.environ[summary.STATS_DIR] = os.path.join(os.path.dirname(os.path.abspath(registry)),
+                                                     "swift_safe_media_stats")
+    else:
+        os.environ[summary.STATS_DIR] = tempfile.mkdtemp(prefix="swift-safe-media-stats-")
 
 
 def disable() -> None:

@@ -11,6 +11,7 @@ inherited and starts its own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import logging
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 
-from . import config, quarantine, sandbox, transport, watchdog
+from . import config, quarantine, sandbox, summary, transport, watchdog
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined
 
 log = logging.getLogger("swift_safe_media")
@@ -434,19 +435,36 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
         return fn(*args, **kwargs)
     timeout = config.timeout() if timeout is None else float(timeout)
     media = path_hint(args, kwargs, path)
-    registry = quarantine.current() if media is not None else None
-    if registry is not None:
-        registry.check(media)
-    tracker = watchdog.in_flight()
-    marker = tracker.begin(media, fn) if tracker is not None else ""
-    try:
+    with _accounted(media, fn):
         return get_engine().run(fn, args, kwargs, timeout, media)
+
+
+@contextlib.contextmanager
+def _accounted(media, fn):
+    """Around one call: the quarantine check and record, the in-flight marker the stall
+    watchdog reads, and the run statistics."""
+    registry = quarantine.current() if media is not None else None
+    stats = summary.recorder()
+    started, outcome, marker = time.monotonic(), "error", ""
+    try:
+        if registry is not None:
+            registry.check(media)
+        tracker = watchdog.in_flight()
+        marker = tracker.begin(media, fn) if tracker is not None else ""
+        yield
+        outcome = "ok"
+    except MediaQuarantined:
+        outcome = "quarantined"
+        raise
     except MediaDecodeError as exc:
-        if registry is not None and not isinstance(exc, MediaQuarantined):
-            registry.record(media, _FAILURE_KINDS.get(type(exc), "error"), exc.reason, exc.elapsed)
+        outcome = _FAILURE_KINDS.get(type(exc), "error")
+        if registry is not None:
+            registry.record(media, outcome, exc.reason, exc.elapsed)
         raise
     finally:
         watchdog.InFlight.end(marker)
+        if stats is not None:
+            stats.record(media, outcome, time.monotonic() - started)
 
 
 _FAILURE_KINDS = {MediaDecodeTimeout: "timeout", MediaDecodeCrash: "crash"}

@@ -1,0 +1,157 @@
+"""Run summary: what decoding cost and what failed, across every process of the run.
+
+Each process that calls the engine (the trainer, every DataLoader worker) keeps its
+own counters and writes them, at most once a second, to ``stats-<pid>.json`` in the
+run's stats folder (``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers
+inherit). ``collect`` merges them: decodes, timeouts, crashes, quarantined hits, other
+errors, latency p50/p99 and the slowest files.
+"""
+
+from __future__ import annotations
+
+import atexit
+import heapq
+import json
+import logging
+import multiprocessing.util
+import os
+import random
+import threading
+import time
+
+log = logging.getLogger("swift_safe_media")
+
+STATS_DIR = "SWIFT_SAFE_MEDIA_STATS_DIR"
+OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error")
+_SAMPLE_SIZE = 4096  # latencies kept per process (reservoir), enough for p99
+_SLOWEST = 10
+_FLUSH_EVERY_S = 1.0
+
+
+class Recorder:
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, f"stats-{os.getpid()}.json")
+        self.counts = dict.fromkeys(OUTCOMES, 0)
+        self.latencies: list[float] = []
+        self.seen = 0
+        self.slowest: list[tuple[float, str, str]] = []  # min-heap of (elapsed, path, outcome)
+        self.last_flush = 0.0
+        self._lock = threading.Lock()
+
+    def record(self, path, outcome: str, elapsed: float) -> None:
+        with self._lock:
+            self.counts[outcome] += 1
+            self.seen += 1
+            if len(self.latencies) < _SAMPLE_SIZE:
+                self.latencies.append(elapsed)
+            else:
+                slot = random.randrange(self.seen)
+                if slot < _SAMPLE_SIZE:
+                    self.latencies[slot] = elapsed
+            entry = (elapsed, str(path), outcome)
+            if path is None:
+                pass  # counted, but no file to name among the slowest
+            elif len(self.slowest) < _SLOWEST:
+                heapq.heappush(self.slowest, entry)
+            elif entry > self.slowest[0]:
+                heapq.heapreplace(self.slowest, entry)
+            if time.monotonic() - self.last_flush >= _FLUSH_EVERY_S:
+                self._flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.last_flush = time.monotonic()
+        state = {"pid": os.getpid(), "counts": self.counts, "seen": self.seen, "latencies": self.latencies,
+                 "slowest": sorted(self.slowest, reverse=True)}
+        partial = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(partial, "w") as out:
+                json.dump(state, out)
+            os.replace(partial, self.path)  # readers never see half a file
+        except OSError:
+            pass
+
+
+_recorders: dict[tuple[int, str], Recorder] = {}
+
+
+def recorder() -> Recorder | None:
+    """This process's recorder for the run, or None when no stats folder is set."""
+    directory = os.environ.get(STATS_DIR)
+    if not directory:
+        return None
+    key = (os.getpid(), directory)  # a forked child starts its own file
+    found = _recorders.get(key)
+    if found is None:
+        os.makedirs(directory, exist_ok=True)
+        found = _recorders[key] = Recorder(directory)
+        # The last second of counts: atexit in a plain process, and multiprocessing's own
+        # exit hooks in a DataLoader worker, which ends without running atexit.
+        atexit.register(found.flush)
+        multiprocessing.util.Finalize(found, found.flush, exitpriority=10)
+    return found
+
+
+def flush() -> None:
+    for (pid, _), found in list(_recorders.items()):
+        if pid == os.getpid():
+            found.flush()
+
+
+def _percentile(values: list[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+
+
+def collect(directory: str | None = None) -> dict:
+    """Merge every process's stats in the run's folder."""
+    flush()
+    directory = directory or os.environ.get(STATS_DIR)
+    counts, latencies, slowest, processes = dict.fromkeys(OUTCOMES, 0), [], [], 0
+    for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
+        if not (name.startswith("stats-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as stats:
+                state = json.load(stats)
+        except (OSError, ValueError):
+            continue
+        processes += 1
+        for outcome in OUTCOMES:
+            counts[outcome] += state["counts"].get(outcome, 0)
+        latencies += state["latencies"]
+        slowest += [tuple(entry) for entry in state["slowest"]]
+    return {"decodes": sum(counts.values()), **counts, "processes": processes,
+            "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99),
+            "slowest": [{"path": path, "elapsed_s": round(elapsed, 3), "outcome": outcome}
+                        for elapsed, path, outcome in sorted(slowest, reverse=True)[:_SLOWEST]]}
+
+
+def format_summary(summary: dict, step=None) -> str:
+    def seconds(value):
+        return "n/a" if value is None else f"{value * 1000:.0f} ms"
+
+    head = "swift_safe_media summary" + (f" at step {step}" if step is not None else "")
+    lines = [f"{head}: {summary['decodes']} decodes, {summary['ok']} ok, {summary['timeout']} timeouts, "
+             f"{summary['crash']} crashes, {summary['quarantined']} quarantined, {summary['error']} errors; "
+             f"latency p50 {seconds(summary['latency_p50_s'])}, p99 {seconds(summary['latency_p99_s'])}"]
+    for entry in summary["slowest"][:5]:
+        lines.append(f"  slow: {entry['path']} {entry['elapsed_s']:.2f} s ({entry['outcome']})")
+    return "\n".join(lines)
+
+
+def write_summary(path: str, step=None) -> dict:
+    """Log the merged summary and write it as JSON to ``path``."""
+    summary = collect()
+    log.warning(format_summary(summary, step))
+    try:
+        with open(path, "w") as out:
+            json.dump(dict(summary, step=step), out, indent=2)
+    except OSError as exc:
+        log.warning("swift_safe_media: cannot write the run summary %s: %s", path, exc)
+    return summary
