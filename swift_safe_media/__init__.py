@@ -1,8 +1,12 @@
 """swift-safe-media: bounded, isolated and recoverable media decoding for training pipelines."""
 
-from .activation import disable, enable, is_enabled
-from .engine import call, isolated, shutdown
-from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined
+from .logs import package_logger
+
+package_logger()
+
+from .activation import disable, enable, is_enabled  # noqa: E402
+from .engine import call, isolated, shutdown  # noqa: E402
+from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined  # noqa: E402
 
 __version__ = "0.1.0"
 

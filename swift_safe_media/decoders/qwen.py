@@ -10,24 +10,33 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import numpy as np
 
 from .. import engine
 from . import audio, guards, inputs, video
 
-# Constants of qwen_vl_utils 0.0.14 / qwen_omni_utils 0.0.9 vision_process.
-SPATIAL_MERGE_SIZE = 2
-VIDEO_MIN_TOKEN_NUM = 128
-VIDEO_MAX_TOKEN_NUM = 768
-IMAGE_MIN_TOKEN_NUM = 4
-IMAGE_MAX_TOKEN_NUM = 16384
-MAX_RATIO = 200
-FPS = 2.0
-FRAME_FACTOR = 2
-FPS_MIN_FRAMES = 4
-FPS_MAX_FRAMES = 768
+# Constants of qwen_vl_utils 0.0.14 / qwen_omni_utils 0.0.9 vision_process, as shipped.
+DEFAULTS = {"SPATIAL_MERGE_SIZE": 2, "VIDEO_MIN_TOKEN_NUM": 128, "VIDEO_MAX_TOKEN_NUM": 768,
+            "IMAGE_MIN_TOKEN_NUM": 4, "IMAGE_MAX_TOKEN_NUM": 16384, "MAX_RATIO": 200, "FPS": 2.0,
+            "FRAME_FACTOR": 2, "FPS_MIN_FRAMES": 4, "FPS_MAX_FRAMES": 768}
+_STOCK_MODULES = ("qwen_vl_utils.vision_process", "qwen_omni_utils.v2_5.vision_process")
 OMNI_SAMPLE_RATE = 16000
+
+
+def current_settings() -> dict:
+    """The constants stock ``fetch_video`` would use: those ms-swift set on the stock
+    module (``patch_qwen_vl_utils`` reads ``FPS_MAX_FRAMES``, ``VIDEO_MAX_TOKEN_NUM``, ...
+    from the environment), or, in a process where it has not (a spawned worker), the
+    same values read from the same environment variables. Resolved in the caller: a
+    sandbox's environment is the one its zygote started with."""
+    for name in _STOCK_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "_patch", False):
+            return {key: getattr(module, key, default) for key, default in DEFAULTS.items()}
+    return {key: type(default)(os.environ[key]) if os.environ.get(key) else default
+            for key, default in DEFAULTS.items()}
 
 _SAMPLING_KEYS = ("nframes", "fps", "min_frames", "max_frames", "video_start", "video_end")
 
@@ -44,12 +53,13 @@ def _floor_to(number, factor):
     return math.floor(number / factor) * factor
 
 
-def smart_resize(height, width, factor, min_pixels=None, max_pixels=None):
+def smart_resize(height, width, factor, settings, min_pixels=None, max_pixels=None):
     """Target (height, width): multiples of `factor`, pixel count within bounds, aspect kept."""
-    max_pixels = IMAGE_MAX_TOKEN_NUM * factor ** 2 if max_pixels is None else max_pixels
-    min_pixels = IMAGE_MIN_TOKEN_NUM * factor ** 2 if min_pixels is None else min_pixels
-    if max(height, width) / min(height, width) > MAX_RATIO:
-        raise ValueError(f"absolute aspect ratio must be smaller than {MAX_RATIO}, "
+    max_pixels = settings["IMAGE_MAX_TOKEN_NUM"] * factor ** 2 if max_pixels is None else max_pixels
+    min_pixels = settings["IMAGE_MIN_TOKEN_NUM"] * factor ** 2 if min_pixels is None else min_pixels
+    max_ratio = settings["MAX_RATIO"]
+    if max(height, width) / min(height, width) > max_ratio:
+        raise ValueError(f"absolute aspect ratio must be smaller than {max_ratio}, "
                          f"got {max(height, width) / min(height, width)}")
     h, w = max(factor, _round_to(height, factor)), max(factor, _round_to(width, factor))
     if h * w > max_pixels:
@@ -79,46 +89,47 @@ def frame_range(ele, total_frames, fps):
     return first, last, last - first + 1
 
 
-def frame_count(ele, total_frames, fps):
+def frame_count(ele, total_frames, fps, settings):
     """How many frames to sample: ``nframes``, or ``fps`` frames per second within bounds."""
+    factor = settings["FRAME_FACTOR"]
     if "fps" in ele and "nframes" in ele:
         raise ValueError("Only accept either `fps` or `nframes`")
     if "nframes" in ele:
-        count = _round_to(ele["nframes"], FRAME_FACTOR)
+        count = _round_to(ele["nframes"], factor)
     else:
-        lowest = _ceil_to(ele.get("min_frames", FPS_MIN_FRAMES), FRAME_FACTOR)
-        highest = _floor_to(ele.get("max_frames", min(FPS_MAX_FRAMES, total_frames)), FRAME_FACTOR)
-        wanted = total_frames / fps * ele.get("fps", FPS)
-        count = _floor_to(min(min(max(wanted, lowest), highest), total_frames), FRAME_FACTOR)
-    if not FRAME_FACTOR <= count <= total_frames:
-        raise ValueError(f"nframes should in interval [{FRAME_FACTOR}, {total_frames}], but got {count}.")
+        lowest = _ceil_to(ele.get("min_frames", settings["FPS_MIN_FRAMES"]), factor)
+        highest = _floor_to(ele.get("max_frames", min(settings["FPS_MAX_FRAMES"], total_frames)), factor)
+        wanted = total_frames / fps * ele.get("fps", settings["FPS"])
+        count = _floor_to(min(min(max(wanted, lowest), highest), total_frames), factor)
+    if not factor <= count <= total_frames:
+        raise ValueError(f"nframes should in interval [{factor}, {total_frames}], but got {count}.")
     return count
 
 
-def qwen_indices(info: video.VideoInfo, ele):
+def qwen_indices(info: video.VideoInfo, ele, settings):
     import torch
     first, last, total = frame_range(ele, info.num_frames, info.fps)
-    count = frame_count(ele, total, info.fps)
+    count = frame_count(ele, total, info.fps, settings)
     return torch.linspace(first, last, count).round().long().tolist()
 
 
-def _resize_video(frames, ele, image_patch_size):
+def _resize_video(frames, ele, image_patch_size, settings):
     """Stock's pixel budget and resize, on a uint8 (T, C, H, W) tensor; returns float32."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional
 
-    factor = image_patch_size * SPATIAL_MERGE_SIZE
+    factor = image_patch_size * settings["SPATIAL_MERGE_SIZE"]
     nframes, _, height, width = frames.shape
-    min_pixels = ele.get("min_pixels", VIDEO_MIN_TOKEN_NUM * factor * factor)
+    min_pixels = ele.get("min_pixels", settings["VIDEO_MIN_TOKEN_NUM"] * factor * factor)
     seq_len = int(float(os.environ.get("MODEL_SEQ_LEN", 128000)))
     total_pixels = ele.get("total_pixels", seq_len * factor * factor * 0.9)
-    max_pixels = max(min(VIDEO_MAX_TOKEN_NUM * factor * factor, total_pixels / nframes * FRAME_FACTOR),
-                     int(min_pixels * 1.05))
+    max_pixels = max(min(settings["VIDEO_MAX_TOKEN_NUM"] * factor * factor,
+                         total_pixels / nframes * settings["FRAME_FACTOR"]), int(min_pixels * 1.05))
     max_pixels = min(ele.get("max_pixels", max_pixels), max_pixels)
     if "resized_height" in ele and "resized_width" in ele:
-        size = smart_resize(ele["resized_height"], ele["resized_width"], factor=factor)
+        size = smart_resize(ele["resized_height"], ele["resized_width"], factor, settings)
     else:
-        size = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        size = smart_resize(height, width, factor, settings, min_pixels=min_pixels, max_pixels=max_pixels)
     return functional.resize(frames, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
 
@@ -137,11 +148,12 @@ def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_
                            return_video_metadata, path=str(ele["video"][0]) if ele["video"] else None)
     source = inputs.describe(ele["video"])
     sampling = {key: ele[key] for key in _SAMPLING_KEYS if key in ele}
+    settings = current_settings()
     frames, info, indices = engine.call(video.sample, source, guards.Limits.from_env(), inputs.url_timeout(),
-                                        qwen_indices, sampling, path=source.label)
+                                        qwen_indices, sampling, settings, path=source.label)
     _, _, total = frame_range(sampling, info.num_frames, info.fps)
     sample_fps = len(indices) / max(total, 1e-6) * info.fps
-    resized = _resize_video(torch.from_numpy(frames).permute(0, 3, 1, 2), ele, image_patch_size)
+    resized = _resize_video(torch.from_numpy(frames).permute(0, 3, 1, 2), ele, image_patch_size, settings)
     metadata = dict(fps=info.fps, frames_indices=indices, total_num_frames=total,
                     video_backend=os.environ.get("FORCE_QWENVL_VIDEO_READER", "torchcodec"))
     result = (resized, metadata) if return_video_metadata else resized
