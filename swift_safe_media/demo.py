@@ -1,8 +1,12 @@
-"""``make demo``: decode a built-in corpus of good and hostile clips through the engine.
+"""``make demo``: the protected ``swift sft`` for a person, or, without ms-swift, the engine.
 
-Builds clips with ffmpeg in a temporary folder, among them inputs that hang stock
-decoders for ever (an HLS playlist named ``.mp4`` whose segment is a FIFO, a FIFO named
-``.wav``) and one that makes them fail (a truncated MP4), then decodes each in a
+With ms-swift installed (the test environment has it): builds a tiny random Qwen2.5-Omni
+and a dataset of good clips and clips that hang ms-swift's stock loaders for ever, runs
+``swift sft ... --safe_media true --safe_media_timeout 5`` with two DataLoader workers,
+and prints, file by file, what was trained on and what was skipped and why.
+
+Without it: builds a corpus of good and hostile clips (an HLS playlist named ``.mp4``
+whose segment is a FIFO, a FIFO named ``.wav``, a truncated MP4), decodes each in a
 sandbox with a short timeout and prints what happened, file by file.
 """
 
@@ -58,7 +62,39 @@ def build_corpus(folder: Path) -> list[tuple[str, str]]:
             ("video", str(playlist)), ("audio", str(fifo_wav))]
 
 
+def swift_sft_demo(scenario) -> int:
+    """The seed scenario, small: returns 0 when the run finished its epoch."""
+    with tempfile.TemporaryDirectory(prefix="swift-safe-media-demo-") as folder:
+        print("building a tiny random Qwen2.5-Omni, clips and a dataset (ffmpeg, ~30 s) ...")
+        built = scenario.build(folder)
+        args = scenario.sft_args(built, os.path.join(folder, "out"))
+        args += ["--safe_media", "true", "--safe_media_timeout", "5"]
+        print("$ swift sft --model tiny_qwen2_5_omni --dataset train.jsonl --dataloader_num_workers 2 ... "
+              "--safe_media true --safe_media_timeout 5")
+        print("  (stock, this run never finishes: decord spins on the edit-list cut, FFmpeg blocks on the FIFOs)\n")
+        code, elapsed, log = scenario.run_sft(args, timeout=600, log_path=os.path.join(folder, "sft.log"))
+        done, planned = scenario.steps(log)
+        skipped = scenario.skipped(log)
+        clips = [name for name in built if name not in ("model", "dataset")]
+    width = max(map(len, clips))
+    for name in clips:
+        outcome = f"skipped: {skipped[name]}" if name in skipped else "trained on"
+        print(f"  {name:<{width}}  {outcome}")
+    print(f"\nswift sft exited {code} after {elapsed:.0f} s: {done} of {planned} steps; "
+          f"ms-swift took another sample for each skipped one")
+    return 0 if code == 0 and done == planned else 1
+
+
 def main() -> int:
+    try:
+        import swift.template  # noqa: F401
+        from tests import swift_scenario  # the repository's scenario (make demo runs from its root)
+    except ImportError:
+        return engine_demo()
+    return swift_sft_demo(swift_scenario)
+
+
+def engine_demo() -> int:
     print(f"swift-safe-media demo: every decode runs in a sandbox with a {TIMEOUT_S:g} s timeout\n")
     with tempfile.TemporaryDirectory(prefix="swift-safe-media-demo-") as folder:
         corpus = build_corpus(Path(folder))

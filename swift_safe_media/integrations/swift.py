@@ -1,0 +1,174 @@
+"""ms-swift adapter: safe loaders in ``swift.template`` and the Qwen utils, the
+``--safe_media*`` flags, and spawn-started DataLoader workers.
+
+The patch targets are data (``PATCH_TABLE``): each row names a host function and the
+safe twin that replaces it, in the defining module and in every module that copied it
+with ``from ..vision_utils import load_audio`` (``swift.template.base``,
+``swift.template.templates.*``). A ``MediaDecodeError`` propagates through the
+template, so ms-swift's ``LazyLLMDataset`` takes another sample and its pre-tokenising
+``map`` drops the row; one log line names the file, the reason and the elapsed time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import logging
+import sys
+
+from .. import config
+from ..errors import MediaDecodeError
+from . import env_state, installed_version
+from ._patching import Patcher
+
+log = logging.getLogger("swift_safe_media")
+
+HOST = "swift"
+DISTRIBUTION = "ms-swift"
+SUPPORTED = ((4, 0), (5, 0))
+
+_SWIFT_LOADERS = ("load_audio", "load_video_internvl", "load_video_cogvlm2", "load_video_llava",
+                  "load_video_minicpmv_mplug_owl3", "load_video_valley", "load_video_ovis2", "load_video_ovis2_5",
+                  "load_video_hf", "load_vllm_video")
+
+# (host module, function) -> (module of the safe twin, its name)
+PATCH_TABLE = {
+    **{("swift.template.vision_utils", name): ("swift_safe_media.decoders.swift", name) for name in _SWIFT_LOADERS},
+    # ms-swift's Qwen2.5-VL / Qwen3-VL templates decode video through qwen_vl_utils, the
+    # Omni templates through qwen_omni_utils (both import them inside replace_tag).
+    ("qwen_vl_utils.vision_process", "fetch_video"): ("swift_safe_media.decoders.qwen", "fetch_video"),
+    ("qwen_omni_utils.v2_5.vision_process", "fetch_video"): ("swift_safe_media.decoders.qwen", "fetch_video"),
+    ("qwen_omni_utils.v2_5.audio_process", "process_audio_info"):
+        ("swift_safe_media.decoders.qwen", "process_audio_info"),
+}
+TRIGGER_MODULES = tuple(dict.fromkeys(module for module, _ in PATCH_TABLE))
+# Where copies of the host functions may live ("swift." and not "swift": not us).
+SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
+FLAG_MODULES = ("swift.utils.utils",)
+
+_patcher = Patcher(SCOPE)
+_flag_patcher = Patcher(("swift.",))
+
+
+def get_version() -> str | None:
+    return installed_version(DISTRIBUTION)
+
+
+def patch() -> None:
+    for (module_name, name), (twin_module, twin_name) in PATCH_TABLE.items():
+        # Older 4.x lack some loaders (4.2.2 has no load_vllm_video).
+        if hasattr(sys.modules.get(module_name), name):
+            twin = getattr(importlib.import_module(twin_module), twin_name)
+            _patcher.replace(module_name, name, _logging_failures(twin))
+
+
+def unpatch() -> None:
+    _patcher.restore()
+
+
+def is_patched() -> bool:
+    return bool(_patcher)
+
+
+def patched_sites() -> list[tuple[str, str]]:
+    """(module, attribute) pairs that now call a safe twin."""
+    return _patcher.sites()
+
+
+_last_logged = None
+
+
+def _logging_failures(twin):
+    @functools.wraps(twin)
+    def call(*args, **kwargs):
+        global _last_logged
+        try:
+            return twin(*args, **kwargs)
+        except MediaDecodeError as exc:
+            # ms-swift's Template.encode retries a failed sample twice at once: one line per sample.
+            if _last_logged != (exc.path, exc.reason):
+                _last_logged = (exc.path, exc.reason)
+                _host_logger().warning(
+                    f"swift_safe_media: skipped {exc.path}: {exc.reason} ({type(exc).__name__}, after "
+                    f"{'?' if exc.elapsed is None else format(exc.elapsed, '.2f')} s); ms-swift takes another sample")
+            raise
+    return call
+
+
+def _host_logger():
+    # ms-swift's own logger, in ms-swift's format: in its processes the root handler
+    # passes only errors, so a warning on ours would be lost.
+    try:
+        from swift.utils import get_logger
+        return get_logger()
+    except Exception:
+        return log
+
+
+# --- flags ---------------------------------------------------------------------------
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+_GROUP = FLAGS.add_argument_group("swift-safe-media (bounded, isolated media decoding)")
+_GROUP.add_argument("--safe_media", type=_bool, default=None, metavar="{true,false}",
+                    help="decode media in a sandbox with a hard timeout; skip and log bad samples "
+                         "(default: false, or SWIFT_SAFE_MEDIA)")
+_GROUP.add_argument("--safe_media_timeout", type=float, default=None, metavar="SECONDS",
+                    help=f"seconds one decode may run (default: {config.DEFAULT_TIMEOUT_S:g}, "
+                         f"or {config.TIMEOUT})")
+_GROUP.add_argument("--safe_media_mp_context", choices=config.MP_CONTEXTS, default=None,
+                    help="start method of DataLoader workers; 'default' leaves ms-swift's "
+                         f"(default: spawn, or {config.MP_CONTEXT})")
+_GROUP.add_argument("--safe_media_max_memory_mb", type=int, default=None, metavar="MB",
+                    help=f"address space one decode may add; 0: no cap (default: RAM/4, or {config.MAX_MEMORY_MB})")
+
+_MP_FLAG = "--dataloader_multiprocessing_context"
+
+
+def register_flags() -> None:
+    """Teach ms-swift's ``parse_args`` (every pipeline: sft, pt, rlhf, infer, export, ...) the flags."""
+    module = sys.modules["swift.utils.utils"]
+    original = getattr(module, "parse_args")
+    _flag_patcher.replace("swift.utils.utils", "parse_args", functools.partial(parse_args, original))
+
+
+def parse_args(original, class_type, argv=None):
+    """Take our flags out of ``argv``, apply them, hand the rest to ms-swift's parser."""
+    ours, rest = FLAGS.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    apply_flags(ours)
+    mp_context = config.mp_context()
+    if (env_state() and mp_context != "default" and _has_field(class_type, "dataloader_multiprocessing_context")
+            and not any(arg.split("=")[0] == _MP_FLAG for arg in rest)):
+        rest += [_MP_FLAG, mp_context]
+    try:
+        return original(class_type, rest)
+    except SystemExit:
+        if any(arg in ("-h", "--help") for arg in rest):
+            print("\n" + FLAGS.format_help().split("\n", 2)[-1].strip("\n"))
+        raise
+
+
+def apply_flags(flags: argparse.Namespace) -> None:
+    """Flag > environment > default: settings given are written to the environment."""
+    import swift_safe_media
+
+    config.write(timeout=flags.safe_media_timeout, max_memory_mb=flags.safe_media_max_memory_mb,
+                 mp_context=flags.safe_media_mp_context)
+    if flags.safe_media is True:
+        swift_safe_media.enable(hosts=[HOST])
+    elif flags.safe_media is False:
+        swift_safe_media.disable()
+
+
+def _has_field(class_type, name: str) -> bool:
+    import dataclasses
+    return dataclasses.is_dataclass(class_type) and any(field.name == name for field in dataclasses.fields(class_type))

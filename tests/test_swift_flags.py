@@ -1,0 +1,92 @@
+"""The `--safe_media*` flags in ms-swift's real `parse_args` (which every pipeline uses:
+sft, pt, rlhf, infer, export), installed by the start-up hook; each case in a fresh
+interpreter. The end-to-end tests run them through `swift sft` and a YAML config."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("swift.utils", reason="ms-swift is in requirements-test.txt")
+
+PRELUDE = textwrap.dedent("""
+    import dataclasses, json, os, sys
+    from typing import Literal, Optional
+    from swift.utils import parse_args   # the name pipelines/base.py imports
+
+    @dataclasses.dataclass
+    class TrainArgs:          # stands in for SftArguments: any dataclass goes through the same parser
+        model: str = "m"
+        dataloader_multiprocessing_context: Optional[Literal["fork", "spawn", "forkserver"]] = None
+
+    @dataclasses.dataclass
+    class InferArgs:          # no DataLoader workers: nothing is added
+        model: str = "m"
+
+    def show(args, remaining):
+        import swift_safe_media
+        print(json.dumps({"args": dataclasses.asdict(args), "remaining": remaining,
+                          "enabled": swift_safe_media.is_enabled(),
+                          "env": {k: v for k, v in os.environ.items() if k.startswith("SWIFT_SAFE_MEDIA")}}))
+""")
+
+
+def run(body, env=None, check=True):
+    child_env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    child_env.update(env or {})
+    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=child_env,
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    if check:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def results(done):
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(150)
+def test_flags_parse_apply_reach_the_environment_and_take_precedence():
+    done = run("""
+        show(*parse_args(TrainArgs, ["--model", "x", "--safe_media", "true", "--safe_media_timeout", "7",
+                                     "--safe_media_max_memory_mb", "2048"]))
+        show(*parse_args(InferArgs, ["--safe_media_mp_context", "forkserver"]))
+        show(*parse_args(TrainArgs, ["--dataloader_multiprocessing_context", "fork"]))  # the user's choice wins
+        show(*parse_args(TrainArgs, ["--safe_media_mp_context", "default"]))
+        show(*parse_args(TrainArgs, ["--safe_media", "false", "--model", "y"]))  # parses while off
+        # environment beats default, flag beats environment
+        os.environ.update(SWIFT_SAFE_MEDIA="1", SWIFT_SAFE_MEDIA_TIMEOUT="9", SWIFT_SAFE_MEDIA_MP_CONTEXT="forkserver")
+        show(*parse_args(TrainArgs, []))
+        show(*parse_args(TrainArgs, ["--safe_media_timeout", "3"]))
+        parse_args(TrainArgs, ["--safe_media_mp_context", "threads"])
+    """, check=False)
+    spawned, infer, users, default, off, from_env, from_flag = results(done)
+    assert spawned["remaining"] == [] and spawned["args"] == {"model": "x", "dataloader_multiprocessing_context": "spawn"}
+    assert spawned["enabled"] is True
+    assert spawned["env"].items() >= {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "7.0",
+                                      "SWIFT_SAFE_MEDIA_MAX_MEMORY_MB": "2048"}.items()
+    assert "SWIFT_SAFE_MEDIA_MP_CONTEXT" not in spawned["env"]  # the default, spawn, is not written
+    assert infer["remaining"] == [] and infer["env"]["SWIFT_SAFE_MEDIA_MP_CONTEXT"] == "forkserver"
+    assert users["args"]["dataloader_multiprocessing_context"] == "fork"
+    assert default["args"]["dataloader_multiprocessing_context"] is None
+    assert off["enabled"] is False and off["env"]["SWIFT_SAFE_MEDIA"] == "0"
+    assert off["remaining"] == [] and off["args"] == {"model": "y", "dataloader_multiprocessing_context": None}
+    assert from_env["env"]["SWIFT_SAFE_MEDIA_TIMEOUT"] == "9"
+    assert from_env["args"]["dataloader_multiprocessing_context"] == "forkserver"
+    assert from_flag["env"]["SWIFT_SAFE_MEDIA_TIMEOUT"] == "3.0"
+    assert done.returncode == 2 and "--safe_media_mp_context: invalid choice: 'threads'" in done.stderr
+
+
+@pytest.mark.timeout(150)
+def test_flags_appear_in_the_command_help():
+    done = run("""
+        parse_args(TrainArgs, ["--help"])
+    """, check=False)
+    assert done.returncode == 0
+    assert "--dataloader_multiprocessing_context" in done.stdout  # ms-swift's own help first
+    for flag in ("--safe_media {true,false}", "--safe_media_timeout SECONDS", "--safe_media_mp_context",
+                 "--safe_media_max_memory_mb MB"):
+        assert flag in done.stdout
