@@ -14,6 +14,8 @@ $(STAMP): requirements-test.txt pyproject.toml $(SOURCES)
 	@$(MAKE) --no-print-directory ffmpeg
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
+	@# LeRobot 0.4.4 pins torch<2.11: installed without its pins, its dataset deps are in requirements-test.txt.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps lerobot==0.4.4
 	@# A regular install, not editable: the start-up hook (.pth) ships only in a wheel.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
 	@touch $(STAMP)
@@ -32,6 +34,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine.py
+	$(PY) bench/decoders.py
+	$(PY) bench/scan.py
+	$(PY) bench/swift.py
+	$(PY) bench/lerobot.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,315 @@
+"""LeRobot adapter: bounded video decode, skip-and-substitute, spawn DataLoader workers.
+
+- ``decode_video_frames`` (torchcodec and PyAV backends) runs in the engine's sandbox.
+  LeRobot's own function runs there, so its decoder cache (torchcodec decoders keyed by
+  path) lives in the sandbox and repeated frames of one episode file stay fast.
+- ``LeRobotDataset.__getitem__``: when a sample's video fails to decode (error, timeout,
+  crash), another sample is returned instead, chosen deterministically from the index,
+  and one warning names the episode, camera key, file and reason. Batch counts stay equal
+  across ranks; :mod:`swift_safe_media.budget` stops the run when too much fails.
+- ``cycle`` (how ``lerobot-train`` iterates its DataLoader): workers use
+  ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (default spawn) unless the DataLoader names a start
+  method or ``TrainPipelineConfig`` has ``dataloader_multiprocessing_context``.
+- ``--safe_media=true`` (and ``--safe_media_timeout=S``, ``--safe_media_mp_context=M``,
+  ``--safe_media_max_memory_mb=N``) on any LeRobot command line: taken out of ``sys.argv``
+  before draccus parses it and written to the ``SWIFT_SAFE_MEDIA*`` environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import random
+import sys
+
+from .. import activation, config, engine
+from ..budget import ErrorBudget
+from ..errors import MediaDecodeError
+from . import installed_version
+from ._patching import Patcher, mark, original_of
+
+log = logging.getLogger("swift_safe_media")
+
+HOST = "lerobot"
+DISTRIBUTION = "lerobot"
+SUPPORTED = ((0, 4, 0), (0, 5, 0))  # dataset format v3.0; tested with 0.4.4
+
+VIDEO_UTILS = "lerobot.datasets.video_utils"
+DATASET = "lerobot.datasets.lerobot_dataset"
+DATASET_UTILS = "lerobot.datasets.utils"
+TRAIN_CONFIG = "lerobot.configs.train"
+
+TRIGGER_MODULES = (VIDEO_UTILS, DATASET, DATASET_UTILS)
+FLAG_MODULES = ("lerobot.configs.parser",)
+
+# Patch targets: (module, function, stand-in) and (module, class, method, stand-in).
+# The stand-ins are looked up by name below.
+FUNCTIONS = (
+    (VIDEO_UTILS, "decode_video_frames", "safe_decode_video_frames"),
+    (DATASET_UTILS, "cycle", "cycle_with_start_method"),
+)
+METHODS = (
+    (DATASET, "LeRobotDataset", "__getitem__", "getitem_or_substitute"),
+)
+
+# An exception raised by a patched decode carries the video's path under this name.
+VIDEO_ATTRIBUTE = "swift_safe_media_video"
+
+_patcher = Patcher(scope=("lerobot",))
+_patched_methods: list[tuple[type, str, object]] = []  # (class, name, original)
+
+
+def get_version() -> str | None:
+    return installed_version(DISTRIBUTION)
+
+
+# -- patching -------------------------------------------------------------------------
+def patch() -> None:
+    """Patch whatever of the targets is loaded now; called again as more is imported."""
+    # A module may be loaded but still executing (the trigger of a module it imports
+    # fired): what it has not defined yet is patched by its own trigger, later.
+    for module_name, name, stand_in in FUNCTIONS:
+        if hasattr(sys.modules.get(module_name), name):
+            _patcher.replace(module_name, name, globals()[stand_in])
+    for module_name, class_name, name, stand_in in METHODS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None:
+            _patch_method(cls, name, globals()[stand_in])
+
+
+def unpatch() -> None:
+    _patcher.restore()
+    while _patched_methods:
+        cls, name, original = _patched_methods.pop()
+        setattr(cls, name, original)
+
+
+def is_patched() -> bool:
+    return bool(_patcher) or bool(_patched_methods)
+
+
+def _patch_method(cls, name, stand_in) -> None:
+    current = cls.__dict__[name]
+    if original_of(current) is not None:
+        return
+
+    @functools.wraps(current)
+    def replacement(self, *args, **kwargs):
+        return stand_in(current, self, *args, **kwargs)
+
+    mark(replacement, current)
+    setattr(cls, name, replacement)
+    _patched_methods.append((cls, name, current))
+
+
+def _stock(module_name: str, name: str):
+    current = getattr(sys.modules[module_name], name)
+    return original_of(current) or current
+
+
+# -- bounded decode -------------------------------------------------------------------
+class SandboxWithoutLeRobot(Exception):
+    """Raised in a fresh sandbox: LeRobot must be imported there before the first decode."""
+
+
+def safe_decode_video_frames(video_path, timestamps, tolerance_s, backend=None):
+    """LeRobot's ``decode_video_frames``, run in the sandbox with a hard timeout."""
+    path = str(video_path)
+    args = (path, list(timestamps), tolerance_s, backend)
+    try:
+        try:
+            return engine.call(decode_in_sandbox, *args, path=path)
+        except SandboxWithoutLeRobot:
+            # Importing LeRobot takes seconds in a fresh sandbox (one per worker, and one
+            # after every kill); that must not count against the decode's own timeout.
+            engine.call(import_lerobot_in_sandbox, timeout=config.start_timeout())
+            return engine.call(decode_in_sandbox, *args, path=path)
+    except Exception as exc:
+        setattr(exc, VIDEO_ATTRIBUTE, path)
+        raise
+
+
+def import_lerobot_in_sandbox() -> None:
+    importlib.import_module(VIDEO_UTILS)
+
+
+def decode_in_sandbox(video_path, timestamps, tolerance_s, backend):
+    """Runs in the sandbox: LeRobot's own decode, whose torchcodec decoder cache (keyed by
+    path) lives as long as the sandbox does."""
+    if VIDEO_UTILS not in sys.modules:
+        raise SandboxWithoutLeRobot()
+    return _stock(VIDEO_UTILS, "decode_video_frames")(video_path, timestamps, tolerance_s, backend)
+
+
+# -- skip-and-substitute --------------------------------------------------------------
+# Files that timed out or crashed the sandbox in this process: later samples from them
+# are substituted at once instead of paying the timeout again. Per-sample errors (a
+# truncated file still has good frames) do not put a file here.
+_bad_files: dict[str, str] = {}
+_budget: ErrorBudget | None = None
+
+
+def _error_budget() -> ErrorBudget:
+    global _budget
+    if _budget is None:
+        _budget = ErrorBudget.from_environment()
+    return _budget
+
+
+def getitem_or_substitute(stock_getitem, dataset, idx):
+    """Return ``dataset[idx]``, or, if its video cannot be decoded, another sample."""
+    budget = _error_budget()
+    failures = []
+    for candidate in _candidates(dataset, idx):
+        known_bad = _known_bad_video(dataset, candidate) if _bad_files else None
+        if known_bad is None:
+            try:
+                item = stock_getitem(dataset, candidate)
+            except Exception as exc:
+                path = getattr(exc, VIDEO_ATTRIBUTE, None)
+                if path is None:
+                    raise
+                reason = _describe(exc)
+                if isinstance(exc, MediaDecodeError):
+                    _bad_files[path] = reason
+                failure = _describe_sample(dataset, candidate, path, reason)
+            else:
+                budget.success()
+                if failures:
+                    others = f" ({len(failures) - 1} other candidates failed too)" if len(failures) > 1 else ""
+                    log.warning("swift_safe_media: %s; sample %d substituted by sample %d%s",
+                                failures[0], idx, candidate, others)
+                return item
+        else:
+            path = known_bad
+            failure = _describe_sample(dataset, candidate, path,
+                                       f"file failed earlier: {_bad_files[path]}")
+        failures.append(failure)
+        budget.failure(failure)
+
+
+def _candidates(dataset, idx):
+    """``idx``, then other indices in a fixed order drawn from ``idx`` (the same on every
+    rank and run, spread over the dataset rather than the bad sample's neighbours)."""
+    yield idx
+    size = len(dataset)
+    draw = random.Random(idx)
+    while True:
+        candidate = draw.randrange(size)
+        if candidate != idx or size == 1:
+            yield candidate
+
+
+def _videos_of(dataset, idx) -> tuple[int, dict[str, str]]:
+    """The episode of sample ``idx`` and its video file per camera key."""
+    episode = int(dataset.hf_dataset[idx]["episode_index"])
+    return episode, {key: str(dataset.root / dataset.meta.get_video_file_path(episode, key))
+                     for key in dataset.meta.video_keys}
+
+
+def _known_bad_video(dataset, idx) -> str | None:
+    dataset._ensure_hf_dataset_loaded()
+    _, videos = _videos_of(dataset, idx)
+    return next((path for path in videos.values() if path in _bad_files), None)
+
+
+def _describe_sample(dataset, idx, path, reason) -> str:
+    try:
+        episode, videos = _videos_of(dataset, idx)
+        camera = next((key for key, video in videos.items() if video == path), "?")
+    except Exception:  # the description must never hide the failure itself
+        episode, camera = "?", "?"
+    return f"sample {idx} (episode {episode}, camera {camera}, file {path}) failed: {reason}"
+
+
+def _describe(exc, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit] + "..."
+    return f"{type(exc).__name__}: {first}"
+
+
+# -- spawn ----------------------------------------------------------------------------
+def cycle_with_start_method(iterable):
+    """LeRobot's ``cycle``, after giving a multi-worker DataLoader the configured start method."""
+    import torch.utils.data
+
+    if (isinstance(iterable, torch.utils.data.DataLoader) and iterable.num_workers > 0
+            and iterable.multiprocessing_context is None and not train_config_has_start_method()):
+        method = config.mp_context()
+        if method != "default":
+            iterable.multiprocessing_context = method
+            log.info("swift_safe_media: DataLoader workers use the %r start method", method)
+    return _stock(DATASET_UTILS, "cycle")(iterable)
+
+
+def train_config_has_start_method(train_config_class=None) -> bool:
+    """True on LeRobot versions whose TrainPipelineConfig lets the user choose (respected)."""
+    if train_config_class is None:
+        module = sys.modules.get(TRAIN_CONFIG)
+        train_config_class = getattr(module, "TrainPipelineConfig", None)
+    if train_config_class is None or not dataclasses.is_dataclass(train_config_class):
+        return False
+    return any(field.name == "dataloader_multiprocessing_context"
+               for field in dataclasses.fields(train_config_class))
+
+
+# -- flags ----------------------------------------------------------------------------
+FLAGS = {
+    "--safe_media": "enabled",
+    "--safe_media_timeout": "timeout",
+    "--safe_media_mp_context": "mp_context",
+    "--safe_media_max_memory_mb": "max_memory_mb",
+}
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+def register_flags() -> None:
+    """Take our flags out of ``sys.argv`` before draccus sees them and apply them."""
+    values, remaining = take_flags(sys.argv[1:])
+    if not values:
+        return
+    sys.argv[1:] = remaining
+    enabled = values.pop("enabled", None)
+    config.write(**values)
+    if enabled is True:
+        activation.enable(hosts=[HOST])
+    elif enabled is False:
+        activation.disable()
+
+
+def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
+    """Split ``--safe_media=true`` / ``--safe_media true`` style flags from the rest."""
+    values, remaining = {}, []
+    position = 0
+    while position < len(argv):
+        arg = argv[position]
+        position += 1
+        name, has_value, value = arg.partition("=")
+        if name not in FLAGS:
+            remaining.append(arg)
+            continue
+        if not has_value:
+            if position < len(argv) and not argv[position].startswith("--"):
+                value = argv[position]
+                position += 1
+            elif name == "--safe_media":
+                value = "true"  # a bare --safe_media
+            else:
+                raise ValueError(f"{name} needs a value")
+        values[FLAGS[name]] = _flag_value(name, value)
+    return values, remaining
+
+
+def _flag_value(name: str, value: str):
+    if name != "--safe_media":
+        return value
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r}: expected true or false")

@@ -1,0 +1,182 @@
+"""LeRobot scenarios the tests run in fresh interpreters: ``python tests/lerobot_scenarios.py
+NAME ARGS...`` prints one JSON line (last line of stdout) describing what happened.
+
+Fresh interpreters because patches, the start-up hook and the environment are
+process-wide, and because the unprotected runs hang for real.
+"""
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+CAMERA = "observation.images.front"
+
+
+def build(root, episodes="6", frames="10"):
+    """A LeRobotDataset recorded with LeRobot's own API, one video file per episode."""
+    import numpy as np
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    features = {
+        CAMERA: {"dtype": "video", "shape": (48, 64, 3), "names": ["height", "width", "channels"]},
+        "observation.state": {"dtype": "float32", "shape": (2,), "names": None},
+        "action": {"dtype": "float32", "shape": (2,), "names": None},
+    }
+    dataset = LeRobotDataset.create("local/safe_media_test", fps=30, features=features, root=root,
+                                    use_videos=True, vcodec="h264")
+    # Any positive size below one episode's video starts a new file per episode.
+    dataset.meta.update_chunk_settings(video_files_size_in_mb=1e-9)
+    for episode in range(int(episodes)):
+        for frame in range(int(frames)):
+            image = np.full((48, 64, 3), (episode * 40 + frame * 5) % 256, dtype=np.uint8)
+            dataset.add_frame({CAMERA: image, "observation.state": np.array([episode, frame], np.float32),
+                               "action": np.zeros(2, np.float32), "task": "pick"})
+        dataset.save_episode()
+    dataset.finalize()
+    return {"frames": len(dataset), "episodes": int(episodes)}
+
+
+def epoch(root, start_method="none", num_workers="2"):
+    """One epoch of DataLoader(num_workers=2) over the dataset at ``root``."""
+    import torch.utils.data
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    dataset = LeRobotDataset("local/safe_media_test", root=root)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=4, num_workers=int(num_workers), shuffle=False,
+        multiprocessing_context=None if start_method == "none" else start_method)
+    started = time.monotonic()
+    batches = samples = 0
+    states = []
+    for batch in loader:
+        assert batch[CAMERA].shape[1:] == (3, 48, 64), batch[CAMERA].shape
+        batches += 1
+        samples += len(batch["index"])
+        states += batch["observation.state"].tolist()
+        print(f"batch {batches}", flush=True)
+    return {"batches": batches, "samples": samples, "expected_batches": len(loader),
+            "states": states, "seconds": time.monotonic() - started}
+
+
+def patch_state():
+    """Where LeRobot's functions stand: ours (patched) or its own."""
+    import lerobot.datasets.lerobot_dataset as lerobot_dataset
+    import lerobot.datasets.utils as dataset_utils
+    import lerobot.datasets.video_utils as video_utils
+
+    from swift_safe_media.integrations import _patching, lerobot as adapter
+
+    def ours(function):
+        return _patching.original_of(function) is not None
+
+    return {
+        "video_utils": ours(video_utils.decode_video_frames),
+        "lerobot_dataset": ours(lerobot_dataset.decode_video_frames),
+        "same_object": lerobot_dataset.decode_video_frames is video_utils.decode_video_frames,
+        "getitem": ours(lerobot_dataset.LeRobotDataset.__getitem__),
+        "cycle": ours(dataset_utils.cycle),
+        "is_patched": adapter.is_patched(),
+        "sites": sorted(f"{module}.{name}" for module, name in adapter._patcher.sites()),
+    }
+
+
+def import_order(order):
+    """enable()/disable() before or after LeRobot's import, twice, and the states seen."""
+    import swift_safe_media
+
+    states = []
+    if order == "enable_first":
+        swift_safe_media.enable(hosts=["lerobot"])
+        import lerobot.datasets.lerobot_dataset  # noqa: F401
+    else:
+        import lerobot.datasets.lerobot_dataset  # noqa: F401
+        swift_safe_media.enable(hosts=["lerobot"])
+    states.append(patch_state())
+    swift_safe_media.enable(hosts=["lerobot"])  # twice: no double wrapping
+    states.append(patch_state())
+    swift_safe_media.disable()
+    states.append(patch_state())
+    swift_safe_media.enable(hosts=["lerobot"])
+    states.append(patch_state())
+    swift_safe_media.disable()
+    return {"states": states}
+
+
+def flags(*argv):
+    """LeRobot's own ``parser.wrap`` (draccus) over a command line carrying our flags."""
+    import dataclasses
+    import os
+
+    sys.argv[1:] = list(argv)
+    from lerobot.configs import parser
+
+    @dataclasses.dataclass
+    class Config:
+        batch_size: int = 8
+        num_workers: int = 4
+
+    @parser.wrap()
+    def main(cfg: Config):
+        return dataclasses.asdict(cfg)
+
+    parsed = main()
+    import lerobot.datasets.lerobot_dataset  # noqa: F401
+
+    return {"parsed": parsed, "argv": sys.argv[1:], "state": patch_state(),
+            "env": {name: value for name, value in os.environ.items() if name.startswith("SWIFT_SAFE_MEDIA")}}
+
+
+def start_method():
+    """How ``lerobot.datasets.utils.cycle`` leaves the start method of DataLoaders."""
+    import dataclasses
+    import os
+
+    import torch.utils.data
+    from lerobot.datasets.utils import cycle
+
+    from swift_safe_media.integrations import lerobot as adapter
+
+    data = torch.utils.data.TensorDataset(torch.arange(8))
+
+    def after_cycle(**kwargs):
+        loader = torch.utils.data.DataLoader(data, batch_size=4, **kwargs)
+        next(cycle(loader))
+        context = loader.multiprocessing_context
+        return None if context is None else context.get_start_method()
+
+    @dataclasses.dataclass
+    class NewerTrainConfig:  # stands for versions that have the field
+        dataloader_multiprocessing_context: str | None = None
+
+    # LeRobot 0.4.4's TrainPipelineConfig, read from source: importing it pulls in every
+    # policy, and some need transformers < 5, which this environment does not have.
+    train_config = Path(importlib.util.find_spec("lerobot").origin).parent / "configs" / "train.py"
+
+    workers = after_cycle(num_workers=2)
+    os.environ["SWIFT_SAFE_MEDIA_MP_CONTEXT"] = "forkserver"
+    workers_forkserver = after_cycle(num_workers=2)
+    os.environ["SWIFT_SAFE_MEDIA_MP_CONTEXT"] = "default"
+    return {
+        "workers": workers,
+        "workers_forkserver": workers_forkserver,
+        "workers_default": after_cycle(num_workers=2),
+        "user_choice": after_cycle(num_workers=2, multiprocessing_context="fork"),
+        "no_workers": after_cycle(num_workers=0),
+        "train_config_0_4_4_has_field": "dataloader_multiprocessing_context" in train_config.read_text(),
+        "newer_has_field": adapter.train_config_has_start_method(NewerTrainConfig),
+    }
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s")
+    name, *args = sys.argv[1:]
+    del sys.argv[1:]
+    if name == "flags":
+        result = flags(*args)
+    else:
+        result = globals()[name](*args)
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,233 @@
+"""LeRobot 0.4.4, for real: a dataset recorded with LeRobot's own API, one episode video
+that hangs the stock decoder (a FIFO: opening it blocks for ever) and one truncated.
+
+Every scenario runs in a fresh interpreter (tests/lerobot_scenarios.py): patches and the
+start-up hook are process-wide, and the unprotected runs hang for real, so they are
+killed, with their DataLoader workers, after a bound.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lerobot") is None,
+                                reason="LeRobot is not installed")
+
+REPO = Path(__file__).resolve().parent.parent
+CAMERA = "observation.images.front"
+HANGING_EPISODE, TRUNCATED_EPISODE = 1, 2
+
+
+def start_scenario(*args, env=None) -> subprocess.Popen:
+    environment = {name: value for name, value in os.environ.items()
+                   if not name.startswith("SWIFT_SAFE_MEDIA")}
+    environment.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "tests.lerobot_scenarios", *map(str, args)],
+                            cwd=REPO, env=environment, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_scenario(*args, env=None, bound=200.0):
+    """Run a scenario; return (exit code, its JSON result, stdout, stderr)."""
+    process = start_scenario(*args, env=env)
+    try:
+        stdout, stderr = process.communicate(timeout=bound)
+    finally:
+        kill_scenario(process)
+    lines = stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if process.returncode == 0 and lines else None
+    return process.returncode, result, stdout, stderr
+
+
+def kill_scenario(process) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # DataLoader workers and sandboxes too
+    except ProcessLookupError:
+        pass
+
+
+def video_file(root: Path, episode: int) -> Path:
+    # Recorded with one video file per episode, so file N holds episode N.
+    return root / "videos" / CAMERA / "chunk-000" / f"file-{episode:03d}.mp4"
+
+
+def variant(clean: Path, name: str, hanging=(), truncated=()) -> Path:
+    root = clean.parent / name
+    shutil.copytree(clean, root)
+    for episode in hanging:
+        video_file(root, episode).unlink()
+        os.mkfifo(video_file(root, episode))  # no writer ever: open() blocks for ever
+    for episode in truncated:
+        path = video_file(root, episode)
+        with open(path, "r+b") as handle:
+            handle.truncate(path.stat().st_size * 4 // 10)
+    return root
+
+
+@pytest.fixture(scope="session")
+def datasets(tmp_path_factory):
+    clean = tmp_path_factory.mktemp("lerobot") / "clean"
+    code, result, _, stderr = run_scenario("build", clean, 6, 10, bound=240)
+    assert code == 0, stderr[-3000:]
+    assert result == {"frames": 60, "episodes": 6}
+    return {
+        "clean": clean,
+        "hostile": variant(clean, "hostile", hanging=[HANGING_EPISODE], truncated=[TRUNCATED_EPISODE]),
+        "truncated": variant(clean, "truncated", truncated=[TRUNCATED_EPISODE]),
+        "all_truncated": variant(clean, "all_truncated", truncated=range(6)),
+    }
+
+
+PROTECTED = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "2",
+             # 2 bad episodes of 6 are far above the default 10 %: this test is about skipping.
+             "SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION": "0.6"}
+
+
+CLEAN_BATCHES = 15  # 60 frames in batches of 4
+CLEAN_STATES = [[float(episode), float(frame)] for episode in range(6) for frame in range(10)]
+
+
+@pytest.mark.timeout(480)
+def test_protected_epoch_substitutes_bad_episodes_and_keeps_the_batch_count(datasets):
+    code, result, _, stderr = run_scenario("epoch", datasets["hostile"], "spawn", env=PROTECTED, bound=400)
+    assert code == 0, stderr[-3000:]
+    assert result["batches"] == result["expected_batches"] == CLEAN_BATCHES
+    assert result["samples"] == len(CLEAN_STATES)
+    # Every item is real data, and none comes from a bad episode.
+    assert all(state in CLEAN_STATES for state in result["states"])
+    episodes = {int(episode) for episode, _ in result["states"]}
+    assert HANGING_EPISODE not in episodes and TRUNCATED_EPISODE not in episodes
+
+    for episode, reason in ((HANGING_EPISODE, "MediaDecodeTimeout"), (TRUNCATED_EPISODE, "RuntimeError")):
+        path = video_file(datasets["hostile"], episode)
+        logged = [line for line in stderr.splitlines()
+                  if f"(episode {episode}, camera {CAMERA}, file {path}) failed: {reason}" in line]
+        assert logged, stderr[-3000:]
+        assert "substituted by sample" in logged[0]
+
+
+@pytest.mark.timeout(300)
+def test_without_protection_the_hanging_episode_stalls_the_epoch(datasets):
+    """Stock LeRobot (fork workers, its default) delivers the two batches before the
+    hanging episode, then nothing more: the FIFO's open() blocks a worker for ever."""
+    process = start_scenario("epoch", datasets["hostile"], env={"SWIFT_SAFE_MEDIA": "0"})
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while "batch 2\n" not in lines and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "batch 2\n" in lines, process.stderr.read() if process.poll() is not None else "no progress"
+        time.sleep(15)  # far longer than the rest of a clean epoch takes
+        assert process.poll() is None, f"the stock epoch ended (exit code {process.returncode})"
+        assert lines == ["batch 1\n", "batch 2\n"]
+    finally:
+        kill_scenario(process)
+        process.wait()
+
+
+@pytest.mark.timeout(300)
+def test_without_protection_the_truncated_episode_kills_the_epoch(datasets):
+    code, _, _, stderr = run_scenario("epoch", datasets["truncated"], env={"SWIFT_SAFE_MEDIA": "0"})
+    assert code not in (0, None)
+    assert "Failed to open input buffer" in stderr  # torchcodec's error; it does not name the file
+
+
+@pytest.mark.timeout(300)
+def test_error_budget_stops_a_run_with_nothing_left_to_train_on(datasets):
+    env = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "5"}
+    code, _, _, stderr = run_scenario("epoch", datasets["all_truncated"], "none", 0, env=env)
+    assert code not in (0, None)
+    assert "ErrorBudgetExceeded" in stderr
+    assert "5 consecutive samples failed to decode (limit 5, SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES)" in stderr
+
+
+PATCHED_SITES = ["lerobot.datasets.lerobot_dataset.decode_video_frames", "lerobot.datasets.utils.cycle",
+                 "lerobot.datasets.video_utils.decode_video_frames"]
+
+
+def assert_patched(state):
+    assert state["video_utils"] and state["lerobot_dataset"] and state["getitem"] and state["cycle"]
+    assert state["same_object"] and state["is_patched"]
+    assert state["sites"] == PATCHED_SITES
+
+
+def assert_stock(state):
+    assert not (state["video_utils"] or state["lerobot_dataset"] or state["getitem"] or state["cycle"])
+    assert state["same_object"] and not state["is_patched"] and state["sites"] == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["enable_first", "import_first"])
+def test_patch_unpatch_in_either_import_order(order):
+    code, result, _, stderr = run_scenario("import_order", order)
+    assert code == 0, stderr[-3000:]
+    assert "could not patch" not in stderr
+    enabled, enabled_twice, disabled, enabled_again = result["states"]
+    assert_patched(enabled)
+    assert enabled_twice == enabled
+    assert_stock(disabled)
+    assert_patched(enabled_again)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("_swift_safe_media_startup") is None,
+                    reason="the start-up hook ships only with an installed package")
+def test_environment_turns_it_on_through_the_start_up_hook():
+    code, result, _, stderr = run_scenario("patch_state", env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0, stderr[-3000:]
+    assert_patched(result)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("draccus") is None, reason="draccus is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("_swift_safe_media_startup") is None,
+                    reason="the start-up hook ships only with an installed package")
+def test_flags_parse_through_lerobots_draccus_parser():
+    code, result, _, stderr = run_scenario(
+        "flags", "--batch_size=3", "--safe_media=true", "--safe_media_timeout=7",
+        "--safe_media_mp_context", "forkserver", "--num_workers", "1")
+    assert code == 0, stderr[-3000:]
+    assert result["parsed"] == {"batch_size": 3, "num_workers": 1}
+    assert result["argv"] == ["--batch_size=3", "--num_workers", "1"]
+    expected = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "7", "SWIFT_SAFE_MEDIA_MP_CONTEXT": "forkserver"}
+    assert {name: result["env"].get(name) for name in expected} == expected
+    assert_patched(result["state"])
+
+    # The flag wins over the environment.
+    code, result, _, stderr = run_scenario("flags", "--safe_media=false", env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0, stderr[-3000:]
+    assert result["env"]["SWIFT_SAFE_MEDIA"] == "0"
+    assert_stock(result["state"])
+
+
+@pytest.mark.timeout(300)
+def test_lerobot_train_dataloaders_get_the_configured_start_method():
+    code, result, _, stderr = run_scenario("start_method", env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0, stderr[-3000:]
+    assert result == {"workers": "spawn", "workers_forkserver": "forkserver", "workers_default": None,
+                      "user_choice": "fork", "no_workers": None,
+                      "train_config_0_4_4_has_field": False, "newer_has_field": True}
+
+
+def test_take_flags_accepts_draccus_spellings():
+    from swift_safe_media.integrations.lerobot import take_flags
+
+    assert take_flags(["--safe_media=true", "--steps=5"]) == ({"enabled": True}, ["--steps=5"])
+    assert take_flags(["--safe_media", "--steps", "5"]) == ({"enabled": True}, ["--steps", "5"])
+    assert take_flags(["--safe_media", "false"]) == ({"enabled": False}, [])
+    assert take_flags(["--safe_media_max_memory_mb=4096"]) == ({"max_memory_mb": "4096"}, [])
+    with pytest.raises(ValueError, match="expected true or false"):
+        take_flags(["--safe_media=maybe"])
