@@ -1,0 +1,269 @@
+"""Stock vs patched ms-swift 4.6.0 and LeRobot 0.4.4, side by side in one run.
+
+Builds the pristine trees from the PyPI sdists (``pip download --no-binary :all:``), applies
+``patches/<project>/*.patch`` to a copy of each and makes clips with ffmpeg. Each variant runs in
+an interpreter of its own (the two trees cannot share one process: same package name), warms up,
+then serves timed calls; the variants take turns call by call (``--repeats`` rounds), so load on a
+shared machine hits them alike. Prints medians and patched/stock ratios:
+
+* ms-swift: ``load_video_internvl`` / ``load_video_cogvlm2`` on 854x480 and 1280x720 30 fps 10 s clips, and
+  ``load_audio`` on WAV and M4A (stock reads M4A through audioread's ffmpeg pipe), for stock,
+  patched with defaults, patched with ``SWIFT_VIDEO_BACKEND=torchcodec``, and patched with
+  ``SWIFT_MEDIA_DECODE_TIMEOUT`` (the decode worker), with and without torchcodec;
+* LeRobot: ``decode_video_frames`` (torchcodec, cached decoder) on a 2-camera 480p 30 fps
+  episode, single-frame queries at random timestamps, stock vs ``timeout_s`` (decode worker),
+  as frames/s;
+* kill-to-ready: how long a timed-out call takes to return and the replacement worker to serve.
+
+    .venv/bin/python bench/upstream.py [--repeats 7] [--work DIR]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCHES = ROOT / "patches"
+
+
+def run(*cmd, **kwargs):
+    return subprocess.run([str(c) for c in cmd], check=True, **kwargs)
+
+
+def ffmpeg(*args):
+    run("ffmpeg", "-v", "error", "-y", *args, timeout=300)
+
+
+def sdist_tree(package: str, version: str, work: Path) -> Path:
+    """The pristine tree of ``package==version`` from its PyPI sdist."""
+    dl = work / "sdist"
+    dl.mkdir(parents=True, exist_ok=True)
+    archives = list(dl.glob(f"{package.replace('-', '_')}-{version}.tar.gz")) + list(
+        dl.glob(f"{package}-{version}.tar.gz"))
+    if not archives:
+        run(sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+            "--no-binary", ":all:", "-d", dl, f"{package}=={version}")
+        archives = list(dl.glob(f"{package.replace('-', '_')}-{version}.tar.gz")) + list(
+            dl.glob(f"{package}-{version}.tar.gz"))
+    target = work / f"{package}-{version}-pristine"
+    if not target.exists():
+        with tarfile.open(archives[0]) as tar:
+            tar.extractall(work / "unpack", filter="data")
+        shutil.move(str(work / "unpack" / archives[0].name[:-len(".tar.gz")]), target)
+    return target
+
+
+def patched_copy(pristine: Path, series: str) -> Path:
+    target = pristine.with_name(pristine.name.replace("-pristine", "-patched"))
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(pristine, target)
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(target.parent))  # never patch an enclosing repo
+    for patch in sorted((PATCHES / series).glob("*.patch")):
+        run("git", "apply", "--check", patch, cwd=target, env=env)
+        run("git", "apply", patch, cwd=target, env=env)
+    return target
+
+
+# Each variant runs in its own long-lived interpreter and serves one timed call per request, so the
+# controller can interleave the variants call by call: load on a shared machine then hits all alike.
+SWIFT_SERVE = r"""
+import json, sys, time
+from swift.template import vision_utils as vu
+cases = json.loads(sys.argv[1])
+
+def reset():
+    # Stock load_video_cogvlm2/_valley switch decord's global bridge to torch, after which stock
+    # load_video_internvl fails ('Tensor' object has no attribute 'asnumpy'): run each loader as if alone.
+    if "decord" in sys.modules:
+        sys.modules["decord"].bridge.set_bridge("native")
+
+for name, func, args in cases:  # warm-up; starts the decode worker when it is enabled
+    reset()
+    getattr(vu, func)(*args)
+print("READY", flush=True)
+for line in sys.stdin:
+    name, func, args = cases[int(line)]
+    reset()
+    t = time.perf_counter()
+    getattr(vu, func)(*args)
+    print(f"T {time.perf_counter() - t}", flush=True)
+"""
+
+LEROBOT_SERVE = r"""
+import json, random, sys, time
+from lerobot.datasets.video_utils import decode_video_frames
+videos, timeout_s = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+kwargs = {"timeout_s": timeout_s} if timeout_s else {}
+rng = random.Random(0)
+queries = [[round(rng.randrange(0, 299) / 30, 6)] for _ in range(40)]
+for v in videos:  # warm-up: opens and caches each decoder, starts the worker
+    decode_video_frames(v, [0.0], 1e-4, "torchcodec", **kwargs)
+print("READY", flush=True)
+for line in sys.stdin:
+    t = time.perf_counter()
+    for q in queries:
+        for v in videos:
+            decode_video_frames(v, q, 1e-4, "torchcodec", **kwargs)
+    print(f"T {time.perf_counter() - t}", flush=True)
+"""
+
+KILL_TO_READY = r"""
+import json, sys, time
+from swift.template import vision_utils as vu
+from swift.template.media_worker import MediaDecodeTimeoutError
+good, stuck = sys.argv[1], sys.argv[2]
+vu.load_audio(good, 16000)  # worker up
+t = time.perf_counter()
+try:
+    vu.load_video_cogvlm2(stuck)
+except MediaDecodeTimeoutError:
+    pass
+raised = time.perf_counter() - t
+t = time.perf_counter()
+vu.load_audio(good, 16000)
+print("RESULT " + json.dumps({"raised_after_s": raised, "next_call_s": time.perf_counter() - t}), flush=True)
+"""
+
+
+class Server:
+    def __init__(self, tree_path: Path, code: str, args: list, env_extra: dict):
+        env = dict(os.environ, PYTHONPATH=str(tree_path), SWIFT_SAFE_MEDIA="0", **env_extra)
+        self._log = tempfile.TemporaryFile(mode="w+")  # the variant's stderr, shown if it dies
+        self.process = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self._expect("READY")
+
+    def _expect(self, prefix: str) -> str:
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return line
+        self._log.seek(0)
+        raise RuntimeError(f"variant exited (rc={self.process.wait()}) before {prefix!r}:\n{self._log.read()[-3000:]}")
+
+    def time(self, request: int) -> float:
+        self.process.stdin.write(f"{request}\n")
+        self.process.stdin.flush()
+        return float(self._expect("T ").split()[1])
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait(60)
+
+
+def interleaved(servers: dict, requests: list, repeats: int) -> dict:
+    """Median time per (variant, request), the variants taking turns call by call."""
+    times = {name: {r: [] for r in requests} for name in servers}
+    names = list(servers)
+    for rep in range(repeats):
+        for r in requests:
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                times[name][r].append(servers[name].time(r))
+    return {name: {r: statistics.median(t) for r, t in per.items()} for name, per in times.items()}
+
+
+def measure(tree_path: Path, code: str, args: list, env_extra: dict) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree_path), SWIFT_SAFE_MEDIA="0", **env_extra)
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                         timeout=1800)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"measurement failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+
+
+def make_media(folder: Path) -> dict:
+    media = {}
+    for height, width in ((480, 854), (720, 1280)):
+        media[f"clip{height}"] = folder / f"clip_{height}p.mp4"
+        ffmpeg("-f", "lavfi", "-i", f"testsrc2=size={width}x{height}:rate=30:duration=10", "-c:v", "libx264",
+               "-pix_fmt", "yuv420p", "-g", "60", "-bf", "2", media[f"clip{height}"])
+    src = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=44100:duration=30", "-ac", "2"]
+    media["wav"] = folder / "speech.wav"
+    ffmpeg(*src, media["wav"])
+    media["m4a"] = folder / "speech.m4a"
+    ffmpeg(*src, "-c:a", "aac", media["m4a"])
+    for cam in ("front", "wrist"):
+        media[cam] = folder / f"episode_{cam}.mp4"
+        ffmpeg("-f", "lavfi", "-i", "testsrc2=size=640x480:rate=30:duration=10", "-c:v", "libx264", "-pix_fmt",
+               "yuv420p", "-g", "2", media[cam])  # LeRobot records with a GOP of 2
+    media["stuck"] = folder / "stuck.mp4"
+    os.mkfifo(media["stuck"])
+    return media
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--work", type=Path, default=None, help="keep sdists and trees here between runs")
+    parser.add_argument("--only", choices=["ms-swift", "lerobot"], default=None)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="upstream-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    media_dir = Path(tempfile.mkdtemp(prefix="upstream-media-"))
+    media = make_media(media_dir)
+    reps = str(args.repeats)
+
+    if args.only in (None, "ms-swift"):
+        stock = sdist_tree("ms-swift", "4.6.0", work)
+        patched = patched_copy(stock, "ms-swift")
+        video_cases = [[f"{name} {h}p {n} frames", f"load_video_{name}", [str(media[f"clip{h}"])]]
+                       for h in (480, 720) for name, n in (("internvl", 32), ("cogvlm2", 24))]
+        audio_cases = [["load_audio wav 30 s -> 16 kHz", "load_audio", [str(media["wav"]), 16000]],
+                       ["load_audio m4a 30 s -> 16 kHz", "load_audio", [str(media["m4a"]), 16000]]]
+        cases = json.dumps(video_cases + audio_cases)
+        variants = [
+            ("stock 4.6.0", stock, {}),
+            ("patched, defaults", patched, {}),
+            ("patched, SWIFT_VIDEO_BACKEND=torchcodec", patched, {"SWIFT_VIDEO_BACKEND": "torchcodec"}),
+            ("patched, SWIFT_MEDIA_DECODE_TIMEOUT=60", patched, {"SWIFT_MEDIA_DECODE_TIMEOUT": "60"}),
+            ("patched, timeout + torchcodec", patched, {"SWIFT_MEDIA_DECODE_TIMEOUT": "60",
+                                                        "SWIFT_VIDEO_BACKEND": "torchcodec"}),
+        ]
+        servers = {name: Server(tree, SWIFT_SERVE, [cases], env) for name, tree, env in variants}
+        results = interleaved(servers, list(range(len(video_cases + audio_cases))), args.repeats)
+        for server in servers.values():
+            server.close()
+        base = results["stock 4.6.0"]
+        print(f"\nms-swift 4.6.0: median of {reps} calls per variant, interleaved; seconds (ratio to stock)")
+        print("| case | " + " | ".join(name for name, _, _ in variants) + " |")
+        print("|---" * (len(variants) + 1) + "|")
+        for i, (case, _, _) in enumerate(video_cases + audio_cases):
+            cells = [f"{results[name][i]:.3f} ({results[name][i] / base[i]:.2f}x)" for name, _, _ in variants]
+            print(f"| {case} | " + " | ".join(cells) + " |")
+        ktr = measure(patched, KILL_TO_READY, [str(media["wav"]), str(media["stuck"])],
+                      {"SWIFT_MEDIA_DECODE_TIMEOUT": "5"})
+        print(f"timeout 5 s on a stuck input: raised after {ktr['raised_after_s']:.2f} s; "
+              f"next call on the replacement worker {ktr['next_call_s']:.2f} s")
+
+    if args.only in (None, "lerobot"):
+        stock = sdist_tree("lerobot", "0.4.4", work)
+        patched = patched_copy(stock, "lerobot")
+        videos = json.dumps([str(media["front"]), str(media["wrist"])])
+        rows = [("stock 0.4.4", stock / "src", "null"), ("patched, defaults", patched / "src", "null"),
+                ("patched, timeout_s=60", patched / "src", "60")]
+        servers = {name: Server(tree, LEROBOT_SERVE, [videos, t], {}) for name, tree, t in rows}
+        results = interleaved(servers, [0], args.repeats)
+        for server in servers.values():
+            server.close()
+        base = 80 / results["stock 0.4.4"][0]
+        print("\nLeRobot 0.4.4 decode_video_frames (torchcodec, cached decoder), 2 cameras 640x480 30 fps, "
+              f"single-frame queries at random timestamps: median of {reps} interleaved rounds of 80 frames")
+        print("| variant | frames/s | ratio to stock |\n|---|---|---|")
+        for name, _, _ in rows:
+            fps = 80 / results[name][0]
+            print(f"| {name} | {fps:.1f} | {fps / base:.2f}x |")
+
+    shutil.rmtree(media_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
