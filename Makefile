@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/decoders.py
 	$(PY) bench/scan.py
-	$(PY) bench/swift.py
+	$(PY) bench/swift_startup.py
 	$(PY) bench/lerobot.py
 
 clean:

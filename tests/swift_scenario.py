@@ -1,6 +1,6 @@
 """The seed scenario, small: `swift sft` of a tiny Qwen2.5-Omni over clips of which some
 hang ms-swift's stock loaders for real. Shared by the end-to-end tests, `make demo` and
-bench/swift.py.
+bench/swift_startup.py.
 
 Clips (built with ffmpeg at run time):
 - ``good_N.mp4``: 2 s, 64x64, h264 + aac;

@@ -7,7 +7,7 @@
    ``_swift_safe_media_startup`` (what ``swift_safe_media.pth`` runs) from ``-X importtime``,
    and ``python -c pass`` with the hook on vs ``SWIFT_SAFE_MEDIA_STARTUP_HOOK=0``.
 
-    python bench/swift.py [WORK_DIR]
+    python bench/swift_startup.py [WORK_DIR]
 """
 
 from __future__ import annotations
