@@ -69,16 +69,29 @@ def in_flight() -> InFlight | None:
     return InFlight(directory) if directory and os.path.isdir(directory) else None
 
 
+def _parent_of(pid) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
+            parent = _parent_of(entry)
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry))
     found, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):
@@ -119,28 +132,17 @@ def _catches(pid: int, signum: int) -> bool:
 
 
 def _describe(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            text = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+    text = _cmdline(pid)
+    if text is None:
         return "gone"
-    if "exec_sandbox_main" in text or ("zygote_main" in text and _parent_is_zygote(pid)):
+    forked_by_zygote = "zygote_main" in (_cmdline(_parent_of(pid)) or "")
+    if "exec_sandbox_main" in text or ("zygote_main" in text and forked_by_zygote):
         return "sandbox"
     if "zygote_main" in text:
         return "zygote"
     if "multiprocessing" in text:
         return "worker"
     return text[:80]
-
-
-def _parent_is_zygote(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            parent = stat.read().rsplit(")", 1)[1].split()[1]
-        with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
-            return b"zygote_main" in cmdline.read()
-    except (OSError, IndexError):
-        return False
 
 
 class Watchdog:
