@@ -28,7 +28,7 @@ log = logging.getLogger("swift_safe_media")
 INFLIGHT_DIR = "SWIFT_SAFE_MEDIA_INFLIGHT_DIR"  # set by the watchdog; workers inherit it
 STALL_EXIT_CODE = 75
 # SIGUSR1/2 are often taken (SLURM requeue handlers); a real-time signal is not.
-DUMP_SIGNAL = signal.SIGRTMIN + 7
+DUMP_SIGNAL = signal.SIGRTMIN + 7  # also named in _swift_safe_media_startup.answer_stack_dumps
 
 
 def answer_stack_dumps() -> None:
