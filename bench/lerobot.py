@@ -1,14 +1,21 @@
-"""LeRobot decode throughput: stock ``decode_video_frames`` vs ours, side by side in one run.
+"""LeRobot decode throughput: stock vs swift_safe_media, side by side in one run.
 
-A 2-camera, 30 fps, 480p episode encoded the way LeRobot records (AV1 with libsvtav1,
-GOP 2, CRF 30, yuv420p; made here with ffmpeg). Each sample asks every camera for the
-frame at one timestamp, in shuffled order, as a shuffled DataLoader does. Stock is
-LeRobot's own function in this process with its cached torchcodec decoder; ours is the
-same call through the patched function (the sandbox holds the decoder cache). Rounds
-alternate and the ratio of median frames/s is printed. Torch runs one thread, as in a
-DataLoader worker, where LeRobot decodes.
+A 2-camera, 30 fps, 640x480 episode recorded with LeRobot's own API (``add_frame`` /
+``save_episode``, its default AV1 encoding), frames from ffmpeg's testsrc2. Each sample
+asks every camera for the frame at one timestamp, in shuffled order, as a shuffled
+DataLoader does. Two ways of reading it, each stock and ours:
 
-    .venv/bin/python bench/lerobot.py [--rounds 7] [--samples 150]
+- per sample, ``LeRobotDataset._query_videos`` (what ``dataset[i]`` runs): stock calls
+  ``decode_video_frames`` once per camera in this process; ours decodes both cameras in
+  one sandbox round trip;
+- per call, ``decode_video_frames`` for one camera: stock in this process, ours through
+  the sandbox.
+
+Both use a cached torchcodec decoder (ours keeps LeRobot's cache in the sandbox).
+Rounds alternate stock and ours; the ratio of median frames/s is printed. Torch runs
+one thread, as in a DataLoader worker, where LeRobot decodes.
+
+    .venv/bin/python bench/lerobot.py [--rounds 7] [--samples 150] [--seconds 10]
 """
 
 import argparse
@@ -23,31 +30,56 @@ from pathlib import Path
 # This file is named lerobot.py: keep its folder from shadowing the lerobot package.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 FPS = 30
+WIDTH, HEIGHT = 640, 480
 CAMERAS = ("observation.images.front", "observation.images.wrist")
+REPO_ID = "local/bench"
 
 
-def make_episode(folder: Path, seconds: int) -> dict:
-    videos = {}
-    for number, camera in enumerate(CAMERAS):
-        path = folder / f"{camera}.mp4"
-        subprocess.run(["ffmpeg", "-v", "error", "-y", "-f", "lavfi", "-i",
-                        f"testsrc2=size=640x480:rate={FPS}:duration={seconds}",
-                        "-vf", f"hue=h={number * 90}", "-c:v", "libsvtav1", "-g", "2", "-crf", "30",
-                        "-preset", "12", "-pix_fmt", "yuv420p", str(path)], check=True)
-        videos[camera] = str(path)
-    return videos
+def testsrc_frames(seconds: int, hue: int):
+    """RGB frames of ffmpeg's testsrc2 pattern (moving, textured: it costs what video costs)."""
+    size = WIDTH * HEIGHT * 3
+    process = subprocess.Popen(
+        ["ffmpeg", "-v", "error", "-f", "lavfi", "-i",
+         f"testsrc2=size={WIDTH}x{HEIGHT}:rate={FPS}:duration={seconds}", "-vf", f"hue=h={hue}",
+         "-f", "rawvideo", "-pix_fmt", "rgb24", "-"], stdout=subprocess.PIPE)
+    while chunk := process.stdout.read(size):
+        yield np.frombuffer(chunk, np.uint8).reshape(HEIGHT, WIDTH, 3)
+    process.wait()
 
 
-def run_round(decode, videos, timestamps) -> float:
-    """Frames per second decoding every camera at each timestamp."""
+def record_episode(root: Path, seconds: int):
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    features = {camera: {"dtype": "video", "shape": (HEIGHT, WIDTH, 3), "names": ["height", "width", "channels"]}
+                for camera in CAMERAS}
+    features["action"] = {"dtype": "float32", "shape": (2,), "names": None}
+    dataset = LeRobotDataset.create(REPO_ID, fps=FPS, features=features, root=root, use_videos=True)
+    streams = [testsrc_frames(seconds, number * 90) for number in range(len(CAMERAS))]
+    for images in zip(*streams):
+        dataset.add_frame({**dict(zip(CAMERAS, images)), "action": np.zeros(2, np.float32), "task": "bench"})
+    dataset.save_episode()
+    dataset.finalize()
+    return LeRobotDataset(REPO_ID, root=root)
+
+
+def per_sample(query_videos, dataset, timestamps) -> float:
     started = time.perf_counter()
     for timestamp in timestamps:
-        for path in videos.values():
+        item = query_videos(dataset, {camera: [timestamp] for camera in CAMERAS}, 0)
+        assert all(item[camera].shape == (3, HEIGHT, WIDTH) for camera in CAMERAS)
+    return len(timestamps) * len(CAMERAS) / (time.perf_counter() - started)
+
+
+def per_call(decode, videos, timestamps) -> float:
+    started = time.perf_counter()
+    for timestamp in timestamps:
+        for path in videos:
             frames = decode(path, [timestamp], 1 / FPS - 1e-4, "torchcodec")
-            assert frames.shape == (1, 3, 480, 640)
+            assert frames.shape == (1, 3, HEIGHT, WIDTH)
     return len(timestamps) * len(videos) / (time.perf_counter() - started)
 
 
@@ -55,41 +87,52 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--samples", type=int, default=150, help="timestamps per round")
-    parser.add_argument("--seconds", type=int, default=20, help="episode length")
+    parser.add_argument("--seconds", type=int, default=10, help="episode length")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
+    import swift_safe_media
     from lerobot.datasets import video_utils
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     from swift_safe_media.engine import get_engine
     from swift_safe_media.integrations import lerobot as adapter
 
-    stock = video_utils.decode_video_frames
-    ours = adapter.safe_decode_video_frames
+    stock_decode = video_utils.decode_video_frames
+    stock_query = LeRobotDataset._query_videos
     with tempfile.TemporaryDirectory() as folder:
-        videos = make_episode(Path(folder), args.seconds)
-        frame_count = args.seconds * FPS
-        draw = random.Random(0)
-        every_timestamp = [index / FPS for index in range(frame_count)]
+        started = time.monotonic()
+        dataset = record_episode(Path(folder) / "dataset", args.seconds)
+        recorded_s = time.monotonic() - started
+        videos = [str(dataset.root / dataset.meta.get_video_file_path(0, camera)) for camera in CAMERAS]
+        swift_safe_media.enable(hosts=["lerobot"])
+        ours_query = LeRobotDataset._query_videos
+        assert ours_query is not stock_query, "the adapter did not patch _query_videos"
+        every_timestamp = [index / FPS for index in range(args.seconds * FPS)]
         # Warm-up: the sandbox starts and imports LeRobot; both caches open their decoders.
-        for decode in (stock, ours):
-            run_round(decode, videos, every_timestamp[:5])
-        results = {"stock": [], "ours": []}
+        per_sample(stock_query, dataset, every_timestamp[:5])
+        per_sample(ours_query, dataset, every_timestamp[:5])
+        draw = random.Random(0)
+        results = {name: [] for name in ("stock sample", "ours sample", "stock call", "ours call")}
         for _ in range(args.rounds):
             timestamps = draw.sample(every_timestamp, args.samples)
-            results["stock"].append(run_round(stock, videos, timestamps))
-            results["ours"].append(run_round(ours, videos, timestamps))
+            results["stock sample"].append(per_sample(stock_query, dataset, timestamps))
+            results["ours sample"].append(per_sample(ours_query, dataset, timestamps))
+            results["stock call"].append(per_call(stock_decode, videos, timestamps))
+            results["ours call"].append(per_call(adapter.safe_decode_video_frames, videos, timestamps))
+        calls = get_engine().stats["calls"]
 
-    stock_fps, ours_fps = statistics.median(results["stock"]), statistics.median(results["ours"])
-    print(f"LeRobot decode_video_frames, torchcodec, 2 cameras x 640x480 AV1 at {FPS} fps, "
-          f"{args.samples} shuffled samples x {args.rounds} rounds (median frames/s)")
-    print(f"  stock (in process, cached decoder):  {stock_fps:7.1f} frames/s")
-    print(f"  swift_safe_media (sandbox cache):    {ours_fps:7.1f} frames/s")
-    print(f"  per frame: {1e3 / stock_fps:.2f} ms stock, {1e3 / ours_fps:.2f} ms ours "
-          f"(+{1e3 / ours_fps - 1e3 / stock_fps:.2f} ms: the round trip to the sandbox)")
-    print(f"  ratio ours/stock: {ours_fps / stock_fps:.3f}x (target >= 0.95x)")
-    print(f"  sandbox calls: {get_engine().stats['calls']}, sandboxes started: "
-          f"{get_engine().stats['sandboxes_started']}")
+    fps = {name: statistics.median(values) for name, values in results.items()}
+    print(f"LeRobot {adapter.get_version()} torchcodec decode, {len(CAMERAS)} cameras x "
+          f"{WIDTH}x{HEIGHT} at {FPS} fps recorded with LeRobot's API ({recorded_s:.0f} s), "
+          f"{args.samples} shuffled samples x {args.rounds} rounds (median frames/s, side by side)")
+    for level, what in (("sample", "per sample, LeRobotDataset._query_videos (both cameras)"),
+                        ("call", "per call, decode_video_frames (one camera)")):
+        stock, ours = fps[f"stock {level}"], fps[f"ours {level}"]
+        print(f"  {what}:")
+        print(f"    stock {stock:7.1f} frames/s ({1e3 / stock:.2f} ms/frame), ours {ours:7.1f} frames/s "
+              f"({1e3 / ours:.2f} ms/frame): ratio ours/stock {ours / stock:.3f}x")
+    print(f"  target >= 0.95x; sandbox calls {calls}, sandboxes started {get_engine().stats['sandboxes_started']}")
 
 
 if __name__ == "__main__":

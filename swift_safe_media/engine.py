@@ -11,7 +11,6 @@ inherited and starts its own.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import inspect
 import logging
@@ -254,7 +253,7 @@ class Engine:
         return status
 
     # -- calls --------------------------------------------------------------------
-    def run(self, fn, args, kwargs, timeout: float, path):
+    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None):
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._checkout()
@@ -274,6 +273,11 @@ class Engine:
                 raise
             transport.send_encoded(box.conn, message, fd, owned, deadline)
             kind, payload = transport.receive(box.conn, deadline, returned_blocks=box.returned_blocks)
+            while kind == transport.PROGRESS:  # the next call of a call_each batch starts
+                path = on_progress(payload)
+                started = time.monotonic()
+                deadline = started + timeout
+                kind, payload = transport.receive(box.conn, deadline, returned_blocks=box.returned_blocks)
         except TimeoutError:
             self.stats["timeouts"] += 1
             self._replace(box)
@@ -435,36 +439,103 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
         return fn(*args, **kwargs)
     timeout = config.timeout() if timeout is None else float(timeout)
     media = path_hint(args, kwargs, path)
-    with _accounted(media, fn):
-        return get_engine().run(fn, args, kwargs, timeout, media)
-
-
-@contextlib.contextmanager
-def _accounted(media, fn):
-    """Around one call: the quarantine check and record, the in-flight marker the stall
-    watchdog reads, and the run statistics."""
-    registry = quarantine.current() if media is not None else None
-    stats = summary.recorder()
-    started, outcome, marker = time.monotonic(), "error", ""
+    accounting = _Accounting(fn)
+    accounting.check(media)
+    accounting.begin(media)
     try:
-        if registry is not None:
-            registry.check(media)
-        tracker = watchdog.in_flight()
-        marker = tracker.begin(media, fn) if tracker is not None else ""
-        yield
+        result = get_engine().run(fn, args, kwargs, timeout, media)
+    except BaseException as exc:
+        accounting.end(exc)
+        raise
+    accounting.end()
+    return result
+
+
+FAILED_PATH = "swift_safe_media_path"  # set by call_each on the exception it raises
+
+
+def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
+    """``[fn(*args) for args in arguments]`` in one round trip to the sandbox.
+
+    Each call has its own timeout and counts as its own decode of ``paths[i]``
+    (quarantine, statistics, the watchdog's in-flight marker). The first failure is
+    raised as :func:`call` would raise it for that call alone, naming its path, which is
+    also set on the exception as ``swift_safe_media_path``; the calls after it do not run.
+    """
+    arguments, paths = [tuple(args) for args in arguments], [str(path) for path in paths]
+    if len(arguments) != len(paths):
+        raise ValueError(f"call_each: {len(arguments)} calls but {len(paths)} paths")
+    if not arguments:
+        return []
+    if _in_sandbox:
+        return [fn(*args) for args in arguments]
+    timeout = config.timeout() if timeout is None else float(timeout)
+    accounting = _Accounting(fn)
+    current = 0
+
+    def next_call(index):
+        nonlocal current
+        accounting.end()
+        current = index
+        accounting.begin(paths[index])
+        return paths[index]
+
+    try:
+        for path in paths:
+            accounting.check(path)
+        accounting.begin(paths[0])
+        results = get_engine().run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0],
+                                   on_progress=next_call)
+    except BaseException as exc:
+        accounting.end(exc)
+        failed = exc.path if isinstance(exc, MediaQuarantined) else paths[current]
+        try:
+            setattr(exc, FAILED_PATH, failed)
+        except AttributeError:
+            pass
+        raise
+    accounting.end()
+    return results
+
+
+class _Accounting:
+    """Around each decode: the quarantine check and record, the in-flight marker the
+    stall watchdog reads, and the run statistics."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.registry = quarantine.current()
+        self.stats = summary.recorder()
+        self.tracker = watchdog.in_flight()
+        self.media, self.started, self.marker = None, None, ""
+
+    def check(self, media) -> None:
+        if self.registry is not None and media is not None:
+            try:
+                self.registry.check(media)
+            except MediaQuarantined:
+                if self.stats is not None:
+                    self.stats.record(media, "quarantined", 0.0)
+                raise
+
+    def begin(self, media) -> None:
+        self.media, self.started = media, time.monotonic()
+        self.marker = self.tracker.begin(media, self.fn) if self.tracker is not None else ""
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """Close the current decode: ok without ``exc``, else the failure ``exc``."""
+        if self.started is None:
+            return  # failed before it began (quarantined)
+        watchdog.InFlight.end(self.marker)
+        elapsed = time.monotonic() - self.started
         outcome = "ok"
-    except MediaQuarantined:
-        outcome = "quarantined"
-        raise
-    except MediaDecodeError as exc:
-        outcome = _FAILURE_KINDS.get(type(exc), "error")
-        if registry is not None:
-            registry.record(media, outcome, exc.reason, exc.elapsed)
-        raise
-    finally:
-        watchdog.InFlight.end(marker)
-        if stats is not None:
-            stats.record(media, outcome, time.monotonic() - started)
+        if exc is not None:
+            outcome = _FAILURE_KINDS.get(type(exc), "error")
+            if isinstance(exc, MediaDecodeError) and self.registry is not None and self.media is not None:
+                self.registry.record(self.media, outcome, exc.reason, exc.elapsed)
+        if self.stats is not None:
+            self.stats.record(self.media, outcome, elapsed)
+        self.marker, self.started = "", None
 
 
 _FAILURE_KINDS = {MediaDecodeTimeout: "timeout", MediaDecodeCrash: "crash"}

@@ -166,12 +166,20 @@ def _decode_image(path: str):
         return image.size
 
 
+def decode_and_discard(item: Item) -> None:
+    """Runs in the sandbox: a scan needs to know that an item decodes, not its pixels, so
+    none travel back (the loaders' own sandbox calls run in place here)."""
+    decode_item(item)
+
+
 def _scan_one(item: Item) -> Problem | None:
+    from . import call
+
     started = time.monotonic()
     reason = not_regular(item.path)
     if reason is None:
         try:
-            decode_item(item)
+            call(decode_and_discard, item, path=item.path)
             return None
         except MediaDecodeError as exc:
             reason = f"{type(exc).__name__}: {exc.reason}"

@@ -30,7 +30,7 @@ _ALIGN = 64
 # Below this a buffer is cheaper to copy through the socket than to map.
 _OUT_OF_BAND_MIN_BYTES = 64 * 1024
 
-REQUEST, RESULT, ERROR, RETURN_BLOCKS = 1, 2, 3, 4
+REQUEST, RESULT, ERROR, RETURN_BLOCKS, PROGRESS = 1, 2, 3, 4, 5
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 

@@ -12,30 +12,59 @@ import time
 from pathlib import Path
 
 CAMERA = "observation.images.front"
+SECOND_CAMERA = "observation.images.wrist"
 
 
-def build(root, episodes="6", frames="10"):
+def build(root, episodes="6", frames="10", cameras="1", vcodec="h264"):
     """A LeRobotDataset recorded with LeRobot's own API, one video file per episode."""
     import numpy as np
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
+    shape = (48, 64, 3) if vcodec == "h264" else (64, 96, 3)  # SVT-AV1 needs 64 lines
+    keys = (CAMERA, SECOND_CAMERA)[:int(cameras)]
     features = {
-        CAMERA: {"dtype": "video", "shape": (48, 64, 3), "names": ["height", "width", "channels"]},
+        **{key: {"dtype": "video", "shape": shape, "names": ["height", "width", "channels"]} for key in keys},
         "observation.state": {"dtype": "float32", "shape": (2,), "names": None},
         "action": {"dtype": "float32", "shape": (2,), "names": None},
     }
     dataset = LeRobotDataset.create("local/safe_media_test", fps=30, features=features, root=root,
-                                    use_videos=True, vcodec="h264")
+                                    use_videos=True, vcodec=vcodec)
     # Any positive size below one episode's video starts a new file per episode.
     dataset.meta.update_chunk_settings(video_files_size_in_mb=1e-9)
+    texture = np.random.default_rng(0).integers(0, 64, shape, dtype=np.uint8)
     for episode in range(int(episodes)):
         for frame in range(int(frames)):
-            image = np.full((48, 64, 3), (episode * 40 + frame * 5) % 256, dtype=np.uint8)
-            dataset.add_frame({CAMERA: image, "observation.state": np.array([episode, frame], np.float32),
+            images = {key: (texture * (number + 1) + episode * 40 + frame * 5).astype(np.uint8)
+                      for number, key in enumerate(keys)}
+            dataset.add_frame({**images, "observation.state": np.array([episode, frame], np.float32),
                                "action": np.zeros(2, np.float32), "task": "pick"})
         dataset.save_episode()
     dataset.finalize()
     return {"frames": len(dataset), "episodes": int(episodes)}
+
+
+def item_digests(root):
+    """Every sample's camera tensors (the current frame and the one before it), hashed
+    bit for bit, read in this process as a training script would."""
+    import hashlib
+
+    import torch
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    probe = LeRobotDataset("local/safe_media_test", root=root)
+    deltas = {key: [-1 / probe.fps, 0.0] for key in probe.meta.video_keys}
+    dataset = LeRobotDataset("local/safe_media_test", root=root, delta_timestamps=deltas)
+    digests = []
+    for index in range(len(dataset)):
+        item = dataset[index]
+        for key in dataset.meta.video_keys:
+            frames = item[key]
+            assert frames.dtype == torch.float32 and frames.shape[0] == 2, (frames.dtype, frames.shape)
+            digests.append(f"{key} {tuple(frames.shape)} "
+                           f"{hashlib.sha256(frames.contiguous().numpy().tobytes()).hexdigest()}")
+    from swift_safe_media.integrations import lerobot as adapter
+
+    return {"digests": digests, "patched": adapter.is_patched(), "keys": list(dataset.meta.video_keys)}
 
 
 def epoch(root, start_method="none", num_workers="2"):

@@ -142,3 +142,21 @@ def filled_frames(value, count=8):
 def sleep_then_pid(seconds):
     time.sleep(seconds)
     return os.getpid()
+
+
+def sleep_then_return(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def hang_on(path, hang_for):
+    """Returns ``path``, unless it is ``hang_for``: then hangs holding the GIL."""
+    if path == hang_for:
+        hold_gil_on_locked_mutex()
+    return path
+
+
+def fail_on(path, fail_for):
+    if path == fail_for:
+        raise ValueError(f"cannot decode {path}")
+    return path

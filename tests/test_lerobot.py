@@ -89,6 +89,21 @@ def datasets(tmp_path_factory):
     }
 
 
+@pytest.mark.timeout(480)
+def test_frames_are_bit_identical_to_stock_with_two_cameras_in_one_round_trip(tmp_path):
+    """AV1, as LeRobot records by default; two cameras, two frames each per sample."""
+    root = tmp_path / "two_cameras"
+    code, result, _, stderr = run_scenario("build", root, 3, 8, 2, "libsvtav1", bound=240)
+    assert code == 0, stderr[-3000:]
+    code, stock, _, stderr = run_scenario("item_digests", root)
+    assert code == 0 and not stock["patched"], stderr[-3000:]
+    code, ours, _, stderr = run_scenario("item_digests", root, env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0 and ours["patched"], stderr[-3000:]
+    assert len(ours["keys"]) == 2 and len(ours["digests"]) == 2 * result["frames"]
+    assert ours["digests"] == stock["digests"]
+    assert len(set(stock["digests"])) > result["frames"], "frames differ from sample to sample"
+
+
 PROTECTED = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "2",
              # 2 bad episodes of 6 are far above the default 10 %: this test is about skipping.
              "SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION": "0.6"}

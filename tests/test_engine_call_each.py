@@ -1,0 +1,67 @@
+"""``call_each``: several calls in one round trip to the sandbox, each still bounded by
+its own timeout and accounted as its own decode."""
+
+import time
+
+import pytest
+
+from swift_safe_media import MediaDecodeTimeout, MediaQuarantined, summary
+from swift_safe_media.engine import FAILED_PATH, call, call_each
+
+from . import sandboxed
+
+SLACK = 0.5
+
+
+def test_results_come_back_in_order():
+    paths = ["/data/a.mp4", "/data/b.mp4", "/data/c.mp4"]
+    assert call_each(sandboxed.echo, [(path,) for path in paths], paths) == paths
+    assert call_each(sandboxed.echo, [], []) == []
+    with pytest.raises(ValueError, match="2 calls but 1 paths"):
+        call_each(sandboxed.echo, [(1,), (2,)], ["/x"])
+
+
+def test_each_call_has_its_own_timeout():
+    # 3 x 0.6 s in one batch under a 1 s timeout: no single call overran.
+    started = time.monotonic()
+    results = call_each(sandboxed.sleep_then_return, [(0.6, index) for index in range(3)],
+                        ["/a", "/b", "/c"], timeout=1.0)
+    assert results == [0, 1, 2] and time.monotonic() - started >= 1.8
+
+
+def test_a_hang_is_pinned_on_its_own_file_within_its_timeout():
+    paths = ["/data/good.mp4", "/data/hangs.mp4", "/data/never_reached.mp4"]
+    previous = call(sandboxed.sandbox_pid)
+    started = time.monotonic()
+    with pytest.raises(MediaDecodeTimeout) as caught:
+        call_each(sandboxed.hang_on, [(path, paths[1]) for path in paths], paths, timeout=1.0)
+    elapsed = time.monotonic() - started
+    assert caught.value.path == paths[1] and paths[1] in str(caught.value)
+    assert getattr(caught.value, FAILED_PATH) == paths[1]
+    assert elapsed < 1.0 + SLACK + 0.5  # the good call's own time comes on top of the timeout
+    assert call(sandboxed.sandbox_pid) != previous, "the killed sandbox was replaced"
+    assert call_each(sandboxed.echo, [(1,), (2,)], ["/a", "/b"]) == [1, 2]
+
+
+def test_an_exception_names_the_call_that_raised_it():
+    paths = ["/data/a.mp4", "/data/b.mp4"]
+    with pytest.raises(ValueError, match="cannot decode /data/b.mp4") as caught:
+        call_each(sandboxed.fail_on, [(path, paths[1]) for path in paths], paths)
+    assert getattr(caught.value, FAILED_PATH) == paths[1]
+
+
+def test_quarantine_and_statistics_count_each_call(tmp_path, monkeypatch, fifo):
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_QUARANTINE", str(tmp_path / "quarantine.jsonl"))
+    monkeypatch.setenv(summary.STATS_DIR, str(tmp_path / "stats"))
+    good = tmp_path / "good.mp4"
+    good.write_bytes(b"x")
+    paths = [str(good), fifo]
+    with pytest.raises(MediaDecodeTimeout):
+        call_each(sandboxed.hang_on, [(path, fifo) for path in paths], paths, timeout=1.0)
+    # The FIFO is quarantined, not the good file decoded before it in the same batch.
+    with pytest.raises(MediaQuarantined) as caught:
+        call_each(sandboxed.echo, [(path,) for path in paths], paths)
+    assert caught.value.path == fifo and getattr(caught.value, FAILED_PATH) == fifo
+    assert call_each(sandboxed.echo, [(str(good),)], [str(good)]) == [str(good)]
+    counts = summary.collect()
+    assert (counts["ok"], counts["timeout"], counts["quarantined"]) == (2, 1, 1), counts
