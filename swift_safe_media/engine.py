@@ -50,13 +50,13 @@ class RemoteTraceback(Exception):
 class _Sandbox:
     def __init__(self, pid: int, conn: socket.socket):
         self.pid, self.conn = pid, conn
-        # Arena blocks whose arrays the caller has dropped; appended to by finalizers.
-        self.returned_blocks: list[int] = []
+        self.blocks = transport.MappedBlocks()
 
     def hand_back_blocks(self, deadline) -> None:
+        """Tell the sandbox which of its arena blocks no array here views any more."""
         ids = []
-        while self.returned_blocks:
-            ids.append(self.returned_blocks.pop())
+        while self.blocks.returned:
+            ids.append(self.blocks.returned.pop())
         if ids:
             transport.send(self.conn, transport.RETURN_BLOCKS, ids, deadline)
 
@@ -272,12 +272,12 @@ class Engine:
                     os.close(fd)
                 raise
             transport.send_encoded(box.conn, message, fd, owned, deadline)
-            kind, payload = transport.receive(box.conn, deadline, returned_blocks=box.returned_blocks)
+            kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
             while kind == transport.PROGRESS:  # the next call of a call_each batch starts
                 path = on_progress(payload)
                 started = time.monotonic()
                 deadline = started + timeout
-                kind, payload = transport.receive(box.conn, deadline, returned_blocks=box.returned_blocks)
+                kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
         except TimeoutError:
             self.stats["timeouts"] += 1
             self._replace(box)

@@ -8,11 +8,15 @@ nothing named in /dev/shm that could leak if a process is killed.
 
 A sandbox lends its memfds from a :class:`SharedArena`: allocating fresh shared pages
 costs about eight times the memcpy itself (68 ms against 8 ms for 88 MB here), so a
-block comes back to the arena once the caller has dropped every array viewing it.
+block comes back to the arena once the caller has dropped every array viewing it. The
+caller keeps its mappings of recent blocks (:class:`MappedBlocks`): a block lent again
+costs neither an mmap nor the page faults of a fresh mapping.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import io
 import itertools
 import mmap
@@ -143,8 +147,8 @@ def _rebuild_strided_array(flat, dtype, shape, strides):
 
 
 class _Block:
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, block_id: int):
+        self.capacity, self.id = capacity, block_id
         self.fd = os.memfd_create("swift-safe-media", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, capacity)
@@ -152,7 +156,6 @@ class _Block:
         except BaseException:
             os.close(self.fd)
             raise
-        self.id = 0
 
     def close(self):
         self.mapping.close()
@@ -171,8 +174,7 @@ class SharedArena:
     def lend(self, size: int) -> _Block:
         capacity = 1 << max(20, (size - 1).bit_length())
         idle = self._idle.get(capacity)
-        block = idle.pop() if idle else _Block(capacity)
-        block.id = next(self._ids)
+        block = idle.pop() if idle else _Block(capacity, next(self._ids))
         self._lent[block.id] = block
         return block
 
@@ -262,11 +264,11 @@ def send_encoded(sock: socket.socket, message: bytes, fd: int, owned: bool,
 
 
 def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle.Unpickler,
-            returned_blocks: list | None = None):
+            blocks: MappedBlocks | None = None):
     """Return ``(kind, obj)``. EOFError when the peer is gone, TimeoutError past the deadline.
 
-    When the message's buffers sit in a lent arena block, its id is appended to
-    ``returned_blocks`` once nothing views the mapping any more."""
+    Buffers lent from the peer's arena are viewed through ``blocks``, which learns when
+    nothing views them any more."""
     _set_deadline(sock, deadline)
     head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
     try:
@@ -279,10 +281,10 @@ def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle
             raise EOFError("message announced shared buffers but carried no descriptor")
         buffers = []
         if count:
-            mapping = mmap.mmap(fds[0], memfd_size, flags=mmap.MAP_SHARED)
-            if block_id and returned_blocks is not None:
-                weakref.finalize(mapping, returned_blocks.append, block_id)
-            whole = memoryview(mapping)
+            if block_id and blocks is not None:
+                whole = blocks.view(fds[0], block_id, memfd_size)
+            else:
+                whole = memoryview(mmap.mmap(fds[0], memfd_size, flags=mmap.MAP_SHARED))
             for index in range(count):
                 offset, length = _SPAN.unpack_from(rest, index * _SPAN.size)
                 buffers.append(whole[offset:offset + length])
@@ -291,6 +293,33 @@ def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle
     finally:
         for fd in fds:
             os.close(fd)
+
+
+class MappedBlocks:
+    """Caller side: mappings of the arena blocks a sandbox lent lately, and the ids of
+    those the caller has dropped every view of (``returned``), to hand back."""
+
+    def __init__(self, keep: int = 4, max_block_bytes: int = 64 << 20):
+        self.keep, self.max_block_bytes = keep, max_block_bytes
+        self._mappings: collections.OrderedDict[int, mmap.mmap] = collections.OrderedDict()
+        self.returned: list[int] = []
+
+    def view(self, fd: int, block_id: int, size: int) -> memoryview:
+        mapping = self._mappings.get(block_id)
+        if mapping is None:
+            capacity = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+            if capacity <= self.max_block_bytes:
+                self._mappings[block_id] = mapping
+                while len(self._mappings) > self.keep:
+                    self._mappings.popitem(last=False)  # views still alive keep it mapped
+        else:
+            self._mappings.move_to_end(block_id)
+        # One object per lend that every array of this message views: when it goes, the
+        # block can go back to the arena.
+        lend = (ctypes.c_ubyte * size).from_buffer(mapping)
+        weakref.finalize(lend, self.returned.append, block_id)
+        return memoryview(lend).cast("B")
 
 
 def receive_exactly(sock, size: int, deadline=None) -> bytearray:

@@ -197,6 +197,8 @@ def _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s):
     distance, closest = torch.cdist(query_ts[:, None], loaded_ts[:, None], p=1).min(1)
     if not (distance < tolerance_s).all():
         return video_utils.decode_video_frames_torchcodec(video_path, timestamps, tolerance_s)
+    if torch.equal(closest, torch.arange(len(timestamps))):
+        return batch.data  # already in query order: spare the copy
     return batch.data[closest]
 
 
