@@ -1,13 +1,15 @@
 """Scan throughput against plain decoding with the same worker count, side by side.
 
 Plain: a process pool whose workers run the very same loaders in-process (no sandbox).
-Scan: ``swift_safe_media.scan`` with as many sandboxes. Both warmed up first.
+Scan: ``swift_safe_media.scan`` with as many sandboxes. Both warmed up first, then
+measured in alternating rounds.
 
     .venv/bin/python bench/scan.py [--workers 2] [--clips 16]
 """
 
 import argparse
 import multiprocessing
+import statistics
 import subprocess
 import tempfile
 import time
@@ -37,17 +39,13 @@ def in_process_worker() -> None:
     torch.set_num_threads(config.decoder_threads())
 
 
-def plain(items, workers: int) -> float:
-    with multiprocessing.get_context("spawn").Pool(workers, initializer=in_process_worker) as pool:
-        pool.map(scan.decode_item, items[:workers * 2])  # warm: imports, first decodes
-        started = time.perf_counter()
-        pool.map(scan.decode_item, items, chunksize=1)
-        return time.perf_counter() - started
+def plain(pool, items) -> float:
+    started = time.perf_counter()
+    pool.map(scan.decode_item, items, chunksize=1)
+    return time.perf_counter() - started
 
 
 def sandboxed(items, workers: int) -> float:
-    problems, _ = scan.scan(items[:workers * 2], workers)  # warm: zygote and sandboxes
-    assert not problems, problems
     problems, elapsed = scan.scan(items, workers)
     assert not problems, problems
     return elapsed
@@ -57,15 +55,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--clips", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    plain_s, scan_s = [], []
     with tempfile.TemporaryDirectory() as folder:
         items = make_corpus(Path(folder), args.clips)
-        plain_s = plain(items, args.workers)
-        scan_s = sandboxed(items, args.workers)
+        with multiprocessing.get_context("spawn").Pool(args.workers, initializer=in_process_worker) as pool:
+            plain(pool, items[:args.workers * 2])  # warm: imports, first decodes
+            sandboxed(items[:args.workers * 2], args.workers)  # warm: zygote and sandboxes
+            for _ in range(args.rounds):  # alternating, so both see the same load
+                plain_s.append(plain(pool, items))
+                scan_s.append(sandboxed(items, args.workers))
         shutdown()
-    plain_rate, scan_rate = len(items) / plain_s, len(items) / scan_s
+    plain_rate, scan_rate = len(items) / statistics.median(plain_s), len(items) / statistics.median(scan_s)
     print(f"## scan throughput, {len(items)} items ({args.clips} 360p clips, {args.clips} 20 s WAVs), "
-          f"{args.workers} workers")
+          f"{args.workers} workers, median of {args.rounds} alternating rounds")
     print("| mode | items/s |\n|---|---|")
     print(f"| plain in-process decode | {plain_rate:.2f} |\n| swift-safe-media scan | {scan_rate:.2f} |")
     print(f"\nscan / plain throughput: {scan_rate / plain_rate:.3f}x (target >= 0.90x)")
