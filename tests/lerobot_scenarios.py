@@ -89,6 +89,22 @@ def epoch(root, start_method="none", num_workers="2"):
             "states": states, "seconds": time.monotonic() - started}
 
 
+def train_loop(root, steps="20"):
+    """Batches drawn the way lerobot-train draws them: ``next()`` on ``cycle(dataloader)``."""
+    import torch.utils.data
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    from lerobot.datasets.utils import cycle
+
+    dataset = LeRobotDataset("local/safe_media_test", root=root)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2)
+    batches = cycle(loader)
+    for step in range(int(steps)):
+        batch = next(batches)
+        assert batch[CAMERA].shape[1:] == (3, 48, 64), batch[CAMERA].shape
+    context = loader.multiprocessing_context
+    return {"steps": int(steps), "start_method": None if context is None else context.get_start_method()}
+
+
 def patch_state():
     """Where LeRobot's functions stand: ours (patched) or its own."""
     import lerobot.datasets.lerobot_dataset as lerobot_dataset
@@ -145,6 +161,7 @@ def flags(*argv):
     class Config:
         batch_size: int = 8
         num_workers: int = 4
+        output_dir: str | None = None
 
     @parser.wrap()
     def main(cfg: Config):

@@ -132,6 +132,28 @@ def test_protected_epoch_substitutes_bad_episodes_and_keeps_the_batch_count(data
         assert "substituted by sample" in logged[0]
 
 
+@pytest.mark.timeout(480)
+def test_training_loop_logs_the_run_summary_every_log_freq_batches_and_at_exit(datasets, tmp_path):
+    """lerobot-train draws batches with next(cycle(loader)); with an output_dir the registry
+    and the summary land under it, and the summary is logged every log_freq batches."""
+    output_dir = tmp_path / "outputs"
+    output_dir.mkdir()  # lerobot-train creates it before the first batch
+    registry = output_dir / "safe_media" / "quarantine.jsonl"
+    code, result, _, stderr = run_scenario(
+        "train_loop", datasets["hostile"], 12,
+        env={**PROTECTED, "SWIFT_SAFE_MEDIA_QUARANTINE": str(registry), "SWIFT_SAFE_MEDIA_SUMMARY_STEPS": "5"},
+        bound=400)
+    assert code == 0, stderr[-3000:]
+    assert result == {"steps": 12, "start_method": "spawn"}
+    for step in (5, 10, 12):  # every 5 batches, then the last one at exit
+        assert f"swift_safe_media summary at step {step}: " in stderr, stderr[-3000:]
+    summary = json.loads((registry.parent / "safe_media_summary.json").read_text())
+    assert summary["step"] == 12 and summary["ok"] > 0
+    assert summary["timeout"] + summary["error"] + summary["quarantined"] >= 2, summary
+    recorded = {json.loads(line)["path"] for line in registry.read_text().splitlines()}
+    assert str(video_file(datasets["hostile"], HANGING_EPISODE).resolve()) in recorded
+
+
 @pytest.mark.timeout(300)
 def test_without_protection_the_hanging_episode_stalls_the_epoch(datasets):
     """Stock LeRobot (fork workers, its default) delivers the two batches before the
@@ -210,16 +232,34 @@ def test_environment_turns_it_on_through_the_start_up_hook():
 @pytest.mark.skipif(importlib.util.find_spec("draccus") is None, reason="draccus is not installed")
 @pytest.mark.skipif(importlib.util.find_spec("_swift_safe_media_startup") is None,
                     reason="the start-up hook ships only with an installed package")
-def test_flags_parse_through_lerobots_draccus_parser():
+def test_flags_parse_through_lerobots_draccus_parser(tmp_path):
+    output_dir = tmp_path / "outputs" / "train"
     code, result, _, stderr = run_scenario(
         "flags", "--batch_size=3", "--safe_media=true", "--safe_media_timeout=7",
-        "--safe_media_mp_context", "forkserver", "--num_workers", "1")
+        "--safe_media_mp_context", "forkserver", "--num_workers", "1", f"--output_dir={output_dir}",
+        "--safe_media_stall_timeout=600", "--safe_media_stall_action", "abort")
     assert code == 0, stderr[-3000:]
-    assert result["parsed"] == {"batch_size": 3, "num_workers": 1}
-    assert result["argv"] == ["--batch_size=3", "--num_workers", "1"]
-    expected = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "7", "SWIFT_SAFE_MEDIA_MP_CONTEXT": "forkserver"}
+    assert result["parsed"] == {"batch_size": 3, "num_workers": 1, "output_dir": str(output_dir)}
+    assert result["argv"] == ["--batch_size=3", "--num_workers", "1", f"--output_dir={output_dir}"]
+    expected = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "7", "SWIFT_SAFE_MEDIA_MP_CONTEXT": "forkserver",
+                "SWIFT_SAFE_MEDIA_STALL_TIMEOUT": "600", "SWIFT_SAFE_MEDIA_STALL_ACTION": "abort",
+                # The registry defaults to the run's output_dir, which must not exist yet for lerobot-train.
+                "SWIFT_SAFE_MEDIA_QUARANTINE": str(output_dir / "safe_media" / "quarantine.jsonl"),
+                "SWIFT_SAFE_MEDIA_STATS_DIR": str(output_dir / "safe_media" / "swift_safe_media_stats")}
     assert {name: result["env"].get(name) for name in expected} == expected
+    assert not output_dir.exists()
     assert_patched(result["state"])
+
+    # A registry named on the command line wins over the default; so does the environment.
+    chosen = tmp_path / "shared" / "quarantine.jsonl"
+    code, result, _, stderr = run_scenario("flags", f"--safe_media_quarantine={chosen}",
+                                           f"--output_dir={output_dir}", env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0, stderr[-3000:]
+    assert result["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == str(chosen)
+    code, result, _, stderr = run_scenario("flags", f"--output_dir={output_dir}",
+                                           env={"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_QUARANTINE": ""})
+    assert code == 0, stderr[-3000:]
+    assert result["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == ""  # set empty: quarantine off
 
     # The flag wins over the environment.
     code, result, _, stderr = run_scenario("flags", "--safe_media=false", env={"SWIFT_SAFE_MEDIA": "1"})

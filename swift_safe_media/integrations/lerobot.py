@@ -13,25 +13,31 @@
   across ranks; :mod:`swift_safe_media.budget` stops the run when too much fails.
 - ``cycle`` (how ``lerobot-train`` iterates its DataLoader): workers use
   ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (default spawn) unless the DataLoader names a start
-  method or ``TrainPipelineConfig`` has ``dataloader_multiprocessing_context``.
-- ``--safe_media=true`` (and ``--safe_media_timeout=S``, ``--safe_media_mp_context=M``,
-  ``--safe_media_max_memory_mb=N``) on any LeRobot command line: taken out of ``sys.argv``
-  before draccus parses it and written to the ``SWIFT_SAFE_MEDIA*`` environment.
+  method or ``TrainPipelineConfig`` has ``dataloader_multiprocessing_context``; the run
+  summary is logged every ``--log_freq`` batches and at exit.
+- ``--safe_media=true`` (and ``--safe_media_timeout``, ``_mp_context``, ``_max_memory_mb``,
+  ``_quarantine``, ``_stall_timeout``, ``_stall_action``) on any LeRobot command line:
+  taken out of ``sys.argv`` before draccus parses it and written to the
+  ``SWIFT_SAFE_MEDIA*`` environment. The quarantine registry defaults to
+  ``<output_dir>/safe_media/quarantine.jsonl``.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import importlib
 import logging
+import os
 import random
 import sys
+import time
 
-from .. import activation, config, engine
+from .. import activation, config, engine, summary
 from ..budget import ErrorBudget
 from ..errors import MediaDecodeError
-from . import installed_version
+from . import env_state, installed_version
 from ._patching import Patcher, mark, original_of
 
 log = logging.getLogger("swift_safe_media")
@@ -291,18 +297,45 @@ def _describe(exc, limit: int = 300) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
-# -- spawn ----------------------------------------------------------------------------
+# -- spawn and the run summary ---------------------------------------------------------
 def cycle_with_start_method(iterable):
-    """LeRobot's ``cycle``, after giving a multi-worker DataLoader the configured start method."""
+    """LeRobot's ``cycle`` (how ``lerobot-train`` draws its batches), after giving a
+    multi-worker DataLoader the configured start method; the run summary goes to the log
+    every ``SWIFT_SAFE_MEDIA_SUMMARY_STEPS`` batches (``--log_freq``) and at exit."""
     import torch.utils.data
 
-    if (isinstance(iterable, torch.utils.data.DataLoader) and iterable.num_workers > 0
-            and iterable.multiprocessing_context is None and not train_config_has_start_method()):
+    batches = _stock(DATASET_UTILS, "cycle")(iterable)
+    if not isinstance(iterable, torch.utils.data.DataLoader):
+        return batches
+    if (iterable.num_workers > 0 and iterable.multiprocessing_context is None
+            and not train_config_has_start_method()):
         method = config.mp_context()
         if method != "default":
             iterable.multiprocessing_context = method
             log.info("swift_safe_media: DataLoader workers use the %r start method", method)
-    return _stock(DATASET_UTILS, "cycle")(iterable)
+    return _reporting(batches)
+
+
+_batches_drawn = 0
+
+
+def _reporting(batches):
+    global _batches_drawn
+    if _batches_drawn == 0:
+        atexit.register(_final_summary)
+    every = summary.summary_steps()
+    for batch in batches:
+        _batches_drawn += 1
+        yield batch
+        if every and _batches_drawn % every == 0:
+            summary.report(step=_batches_drawn)
+
+
+def _final_summary() -> None:
+    if summary.summary_path() is not None:
+        # DataLoader workers write their last counts within a second of their last decode.
+        time.sleep(summary.FLUSH_EVERY_S + 0.5)
+        summary.report(step=_batches_drawn)
 
 
 def train_config_has_start_method(train_config_class=None) -> bool:
@@ -322,23 +355,42 @@ FLAGS = {
     "--safe_media_timeout": "timeout",
     "--safe_media_mp_context": "mp_context",
     "--safe_media_max_memory_mb": "max_memory_mb",
+    "--safe_media_quarantine": "quarantine",
+    "--safe_media_stall_timeout": "stall_timeout",
+    "--safe_media_stall_action": "stall_action",
 }
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
+QUARANTINE_UNDER_OUTPUT_DIR = ("safe_media", "quarantine.jsonl")
 
 
 def register_flags() -> None:
     """Take our flags out of ``sys.argv`` before draccus sees them and apply them."""
     values, remaining = take_flags(sys.argv[1:])
-    if not values:
-        return
     sys.argv[1:] = remaining
     enabled = values.pop("enabled", None)
+    protected = enabled is True or (enabled is None and env_state())
+    output_dir, log_freq = _argument(remaining, "--output_dir"), _argument(remaining, "--log_freq")
+    if protected and output_dir and "quarantine" not in values and os.environ.get(config.QUARANTINE) is None:
+        # Only named now: lerobot-train refuses an output_dir that already exists.
+        values["quarantine"] = os.path.join(output_dir, *QUARANTINE_UNDER_OUTPUT_DIR)
+    if protected and log_freq and summary.SUMMARY_STEPS not in os.environ:
+        os.environ[summary.SUMMARY_STEPS] = log_freq  # the summary joins LeRobot's own log lines
     config.write(**values)
-    if enabled is True:
-        activation.enable(hosts=[HOST])
+    if protected:
+        activation.enable(hosts=[HOST])  # again if on already: the stats folder follows the registry
     elif enabled is False:
         activation.disable()
+
+
+def _argument(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` on a LeRobot command line (``--name=value`` or ``--name value``)."""
+    for position, arg in enumerate(argv):
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1] or None
+        if arg == name and position + 1 < len(argv):
+            return argv[position + 1]
+    return None
 
 
 def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
