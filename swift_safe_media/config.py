@@ -14,6 +14,7 @@ START_TIMEOUT = "SWIFT_SAFE_MEDIA_START_TIMEOUT"
 MP_CONTEXT = "SWIFT_SAFE_MEDIA_MP_CONTEXT"
 STALL_TIMEOUT = "SWIFT_SAFE_MEDIA_STALL_TIMEOUT"
 STALL_ACTION = "SWIFT_SAFE_MEDIA_STALL_ACTION"
+QUARANTINE = "SWIFT_SAFE_MEDIA_QUARANTINE"  # set but empty: quarantine off
 
 MP_CONTEXTS = ("spawn", "forkserver", "fork", "default")
 
@@ -82,14 +83,17 @@ def mp_context() -> str:
 
 
 _WRITABLE = {"timeout": TIMEOUT, "max_memory_mb": MAX_MEMORY_MB, "mp_context": MP_CONTEXT,
-             "stall_timeout": STALL_TIMEOUT, "stall_action": STALL_ACTION}
+             "stall_timeout": STALL_TIMEOUT, "stall_action": STALL_ACTION, "quarantine": QUARANTINE}
 
 
 def write(**settings) -> None:
     """Write settings given explicitly (flags, ``enable(...)``) over the environment."""
     for key, value in settings.items():
-        if value is not None:
-            os.environ[_WRITABLE[key]] = str(value)
+        if value is None:
+            continue
+        if key == "quarantine" and str(value):
+            value = os.path.abspath(os.path.expanduser(os.fspath(value)))  # workers may change directory
+        os.environ[_WRITABLE[key]] = str(value)
     validate()
 
 

@@ -19,11 +19,10 @@ import os
 import socket
 import threading
 
+from .config import QUARANTINE
 from .errors import MediaQuarantined
 
 log = logging.getLogger("swift_safe_media")
-
-QUARANTINE = "SWIFT_SAFE_MEDIA_QUARANTINE"
 
 
 def _identity(path: str):

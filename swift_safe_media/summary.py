@@ -1,10 +1,11 @@
 """Run summary: what decoding cost and what failed, across every process of the run.
 
 Each process that calls the engine (the trainer, every DataLoader worker) keeps its
-own counters and writes them, at most once a second, to ``stats-<pid>.json`` in the
-run's stats folder (``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers
-inherit). ``collect`` merges them: decodes, timeouts, crashes, quarantined hits, other
-errors, latency p50/p99 and the slowest files.
+own counters and writes them to ``stats-<pid>.json`` in the run's stats folder
+(``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers inherit): a failure
+at once, other counts at most once a second and at most a second late. ``collect``
+merges them: decodes, timeouts, crashes, quarantined hits, other errors, latency
+p50/p99, the slowest files, and the step each rank's trainer reached.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ STATS_DIR = "SWIFT_SAFE_MEDIA_STATS_DIR"
 OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error")
 _SAMPLE_SIZE = 4096  # latencies kept per process (reservoir), enough for p99
 _SLOWEST = 10
-_FLUSH_EVERY_S = 1.0
+FLUSH_EVERY_S = 1.0
 
 
 class Recorder:
@@ -35,7 +36,9 @@ class Recorder:
         self.latencies: list[float] = []
         self.seen = 0
         self.slowest: list[tuple[float, str, str]] = []  # min-heap of (elapsed, path, outcome)
+        self.step: int | None = None  # in a trainer process: the training step reached
         self.last_flush = 0.0
+        self._pending: threading.Timer | None = None
         self._lock = threading.Lock()
 
     def record(self, path, outcome: str, elapsed: float) -> None:
@@ -55,8 +58,25 @@ class Recorder:
                 heapq.heappush(self.slowest, entry)
             elif entry > self.slowest[0]:
                 heapq.heapreplace(self.slowest, entry)
-            if time.monotonic() - self.last_flush >= _FLUSH_EVERY_S:
+            # A failure is written at once. Other counts go out within a second: a worker
+            # may idle between batches and then be killed (a DataLoader's idle workers at
+            # the end, a `datasets.map` pool), never reaching an exit hook.
+            if outcome != "ok" or time.monotonic() - self.last_flush >= FLUSH_EVERY_S:
                 self._flush()
+            elif self._pending is None:
+                self._pending = threading.Timer(FLUSH_EVERY_S, self._flush_pending)
+                self._pending.daemon = True
+                self._pending.start()
+
+    def _flush_pending(self) -> None:
+        with self._lock:
+            self._pending = None
+            self._flush()
+
+    def note_step(self, step: int) -> None:
+        with self._lock:
+            self.step = step
+            self._flush()
 
     def flush(self) -> None:
         with self._lock:
@@ -66,6 +86,8 @@ class Recorder:
         self.last_flush = time.monotonic()
         state = {"pid": os.getpid(), "counts": self.counts, "seen": self.seen, "latencies": self.latencies,
                  "slowest": sorted(self.slowest, reverse=True)}
+        if self.step is not None:
+            state.update(rank=int(os.environ.get("RANK", 0)), step=self.step)
         partial = f"{self.path}.{os.getpid()}.tmp"
         try:
             with open(partial, "w") as out:
@@ -101,6 +123,13 @@ def flush() -> None:
             found.flush()
 
 
+def note_step(step: int) -> None:
+    """Record the training step this process (one rank's trainer) has reached."""
+    found = recorder()
+    if found is not None:
+        found.note_step(step)
+
+
 def _percentile(values: list[float], fraction: float) -> float | None:
     if not values:
         return None
@@ -112,7 +141,7 @@ def collect(directory: str | None = None) -> dict:
     """Merge every process's stats in the run's folder."""
     flush()
     directory = directory or os.environ.get(STATS_DIR)
-    counts, latencies, slowest, processes = dict.fromkeys(OUTCOMES, 0), [], [], 0
+    counts, latencies, slowest, processes, steps = dict.fromkeys(OUTCOMES, 0), [], [], 0, {}
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         if not (name.startswith("stats-") and name.endswith(".json")):
             continue
@@ -126,10 +155,13 @@ def collect(directory: str | None = None) -> dict:
             counts[outcome] += state["counts"].get(outcome, 0)
         latencies += state["latencies"]
         slowest += [tuple(entry) for entry in state["slowest"]]
+        if "step" in state:
+            steps[str(state["rank"])] = max(state["step"], steps.get(str(state["rank"]), 0))
     return {"decodes": sum(counts.values()), **counts, "processes": processes,
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99),
             "slowest": [{"path": path, "elapsed_s": round(elapsed, 3), "outcome": outcome}
-                        for elapsed, path, outcome in sorted(slowest, reverse=True)[:_SLOWEST]]}
+                        for elapsed, path, outcome in sorted(slowest, reverse=True)[:_SLOWEST]],
+            "steps_by_rank": dict(sorted(steps.items(), key=lambda item: int(item[0])))}
 
 
 def format_summary(summary: dict, step=None) -> str:

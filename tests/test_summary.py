@@ -1,6 +1,7 @@
 """Run summary merged across real DataLoader worker processes."""
 
 import json
+import time
 
 import pytest
 import torch.utils.data
@@ -37,3 +38,26 @@ def test_no_stats_folder_means_no_recording(monkeypatch):
     monkeypatch.delenv("SWIFT_SAFE_MEDIA_STATS_DIR", raising=False)
     assert summary.recorder() is None
     assert call(sandboxed.add, 1, 1) == 2
+
+
+def test_counts_reach_the_file_without_an_exit_hook_and_ranks_report_their_step(tmp_path, monkeypatch):
+    """A DataLoader's idle worker, or a `datasets.map` pool process, is killed, never
+    reaching an exit hook: failures are written at once, other counts within a second."""
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_STATS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    found = summary.recorder()
+
+    def written():
+        return json.loads(open(found.path).read())
+
+    found.record("a.mp4", "ok", 0.01)
+    found.record("b.mp4", "ok", 0.01)
+    assert written()["counts"]["ok"] == 1
+    found.record("c.mp4", "error", 0.01)
+    assert written()["counts"]["error"] == 1 and written()["counts"]["ok"] == 2
+    found.record("d.mp4", "ok", 0.01)
+    time.sleep(summary.FLUSH_EVERY_S + 0.5)
+    assert written()["counts"]["ok"] == 3
+    summary.note_step(4)
+    assert (written()["rank"], written()["step"]) == (1, 4)
+    assert summary.collect(str(tmp_path))["steps_by_rank"] == {"1": 4}

@@ -26,6 +26,14 @@ PRELUDE = textwrap.dedent("""
     class InferArgs:          # no DataLoader workers: nothing is added
         model: str = "m"
 
+    @dataclasses.dataclass
+    class SftArgs:            # like SftArguments: output_dir gets its versioned folder while parsing
+        output_dir: str = "out"
+
+        def __post_init__(self):
+            self.output_dir = os.path.abspath(os.path.join(self.output_dir, "v0-20260101-000000"))
+            self.training_args = type("TrainingArguments", (), {"output_dir": self.output_dir})()
+
     def show(args, remaining):
         import swift_safe_media
         print(json.dumps({"args": dataclasses.asdict(args), "remaining": remaining,
@@ -81,6 +89,47 @@ def test_flags_parse_apply_reach_the_environment_and_take_precedence():
 
 
 @pytest.mark.timeout(150)
+def test_never_silent_flags_reach_the_environment():
+    done = run("""
+        show(*parse_args(TrainArgs, ["--safe_media", "true", "--safe_media_quarantine", "runs/q.jsonl",
+                                     "--safe_media_stall_timeout", "600", "--safe_media_stall_action", "abort"]))
+        show(*parse_args(TrainArgs, ["--safe_media_quarantine", "none"]))
+        parse_args(TrainArgs, ["--safe_media_stall_action", "hang"])
+    """, check=False)
+    given, off = results(done)
+    assert given["remaining"] == []
+    assert given["env"].items() >= {"SWIFT_SAFE_MEDIA_QUARANTINE": "/runs/q.jsonl",  # absolute: cwd is /
+                                    "SWIFT_SAFE_MEDIA_STALL_TIMEOUT": "600.0",
+                                    "SWIFT_SAFE_MEDIA_STALL_ACTION": "abort",
+                                    "SWIFT_SAFE_MEDIA_STATS_DIR": "/runs/swift_safe_media_stats"}.items()
+    assert off["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == ""  # set, and empty: no registry, no default
+    assert done.returncode == 2 and "--safe_media_stall_action: invalid choice: 'hang'" in done.stderr
+
+
+@pytest.mark.timeout(150)
+def test_the_registry_defaults_to_the_runs_final_output_dir(tmp_path):
+    done = run(f"""
+        show(*parse_args(SftArgs, ["--safe_media", "true", "--output_dir", "{tmp_path}/out"]))
+        show(*parse_args(InferArgs, []))  # set once per process: a later parse keeps it
+    """)
+    train, infer = results(done)
+    folder = f"{tmp_path}/out/v0-20260101-000000/safe_media"
+    assert train["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{folder}/quarantine.jsonl"
+    assert train["env"]["SWIFT_SAFE_MEDIA_STATS_DIR"] == f"{folder}/swift_safe_media_stats"
+    assert infer["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{folder}/quarantine.jsonl"
+    # Through SWIFT_SAFE_MEDIA=1 alone, and never over a registry or stats folder the user named.
+    done = run(f"""
+        show(*parse_args(SftArgs, ["--output_dir", "{tmp_path}/out"]))
+        os.environ["SWIFT_SAFE_MEDIA_QUARANTINE"] = "{tmp_path}/mine.jsonl"
+        show(*parse_args(SftArgs, ["--output_dir", "{tmp_path}/other"]))
+    """, env={"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_STATS_DIR": f"{tmp_path}/stats"})
+    from_env, users = results(done)
+    assert from_env["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{folder}/quarantine.jsonl" and from_env["enabled"]
+    assert from_env["env"]["SWIFT_SAFE_MEDIA_STATS_DIR"] == f"{tmp_path}/stats"
+    assert users["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{tmp_path}/mine.jsonl"
+
+
+@pytest.mark.timeout(150)
 def test_flags_appear_in_the_command_help():
     done = run("""
         parse_args(TrainArgs, ["--help"])
@@ -88,5 +137,6 @@ def test_flags_appear_in_the_command_help():
     assert done.returncode == 0
     assert "--dataloader_multiprocessing_context" in done.stdout  # ms-swift's own help first
     for flag in ("--safe_media {true,false}", "--safe_media_timeout SECONDS", "--safe_media_mp_context",
-                 "--safe_media_max_memory_mb MB"):
+                 "--safe_media_max_memory_mb MB", "--safe_media_quarantine PATH",
+                 "--safe_media_stall_timeout SECONDS", "--safe_media_stall_action {log,abort}"):
         assert flag in done.stdout

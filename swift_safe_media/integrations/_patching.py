@@ -67,3 +67,32 @@ class Patcher:
         for module_name, module in list(sys.modules.items()):
             if module is not None and module_name.startswith(self.scope) and hasattr(module, "__dict__"):
                 yield module
+
+
+class MethodPatcher:
+    """Replaces methods on host classes; ``restore`` puts the originals back."""
+
+    def __init__(self):
+        self._originals: list[tuple[type, str, object]] = []  # (class, name, original)
+
+    def __bool__(self):
+        return bool(self._originals)
+
+    def replace(self, cls, name: str, stand_in) -> None:
+        """Make ``cls.name(self, ...)`` call ``stand_in(original, self, ...)``."""
+        current = cls.__dict__[name]
+        if original_of(current) is not None:
+            return  # patched already
+
+        @functools.wraps(current)
+        def replacement(self, *args, **kwargs):
+            return stand_in(current, self, *args, **kwargs)
+
+        mark(replacement, current)
+        setattr(cls, name, replacement)
+        self._originals.append((cls, name, current))
+
+    def restore(self) -> None:
+        while self._originals:
+            cls, name, original = self._originals.pop()
+            setattr(cls, name, original)

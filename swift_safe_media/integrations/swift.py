@@ -1,5 +1,6 @@
 """ms-swift adapter: safe loaders in ``swift.template`` and the Qwen utils, the
-``--safe_media*`` flags, and spawn-started DataLoader workers.
+``--safe_media*`` flags, spawn-started DataLoader workers, the error budget and the
+run summary.
 
 The patch targets are data (``PATCH_TABLE``): each row names a host function and the
 safe twin that replaces it, in the defining module and in every module that copied it
@@ -7,6 +8,11 @@ with ``from ..vision_utils import load_audio`` (``swift.template.base``,
 ``swift.template.templates.*``). A ``MediaDecodeError`` propagates through the
 template, so ms-swift's ``LazyLLMDataset`` takes another sample and its pre-tokenising
 ``map`` drops the row; one log line names the file, the reason and the elapsed time.
+
+``METHOD_TABLE`` patches two methods: ``LazyLLMDataset.__getitem__`` counts each row it
+tries against the error budget, and the trainer's ``_get_callbacks`` adds the summary
+callback. Once ms-swift has resolved its output directory, the quarantine registry
+defaults to ``<output_dir>/safe_media/quarantine.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import sys
 
 from .. import config
+from ..budget import ErrorBudget, ErrorBudgetExceeded
 from ..errors import MediaDecodeError
 from . import env_state, installed_version
-from ._patching import Patcher
+from ._patching import MethodPatcher, Patcher
 
 log = logging.getLogger("swift_safe_media")
 
@@ -42,12 +50,22 @@ PATCH_TABLE = {
     ("qwen_omni_utils.v2_5.audio_process", "process_audio_info"):
         ("swift_safe_media.decoders.qwen", "process_audio_info"),
 }
-TRIGGER_MODULES = tuple(dict.fromkeys(module for module, _ in PATCH_TABLE))
+# (host module, class, method) -> the stand-in here, called as stand_in(original, self, ...)
+METHOD_TABLE = {
+    ("swift.dataset.utils", "LazyLLMDataset", "__getitem__"): "getitem_within_budget",
+    ("swift.trainers.mixin", "SwiftMixin", "_get_callbacks"): "callbacks_with_summary",
+}
+TRIGGER_MODULES = tuple(dict.fromkeys([module for module, _ in PATCH_TABLE]
+                                      + [module for module, _, _ in METHOD_TABLE]))
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
 FLAG_MODULES = ("swift.utils.utils",)
 
+# The run's folder for the registry, the stats and the summary, under ms-swift's output_dir.
+RUN_FOLDER = "safe_media"
+
 _patcher = Patcher(SCOPE)
+_method_patcher = MethodPatcher()
 _flag_patcher = Patcher(("swift.",))
 
 
@@ -61,14 +79,19 @@ def patch() -> None:
         if hasattr(sys.modules.get(module_name), name):
             twin = getattr(importlib.import_module(twin_module), twin_name)
             _patcher.replace(module_name, name, _logging_failures(twin))
+    for (module_name, class_name, name), stand_in in METHOD_TABLE.items():
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None:
+            _method_patcher.replace(cls, name, globals()[stand_in])
 
 
 def unpatch() -> None:
     _patcher.restore()
+    _method_patcher.restore()
 
 
 def is_patched() -> bool:
-    return bool(_patcher)
+    return bool(_patcher) or bool(_method_patcher)
 
 
 def patched_sites() -> list[tuple[str, str]]:
@@ -77,15 +100,20 @@ def patched_sites() -> list[tuple[str, str]]:
 
 
 _last_logged = None
+# Loader calls in this process, for the error budget to tell which rows had media.
+_decodes = {"ok": 0, "failed": 0}
+_last_failure = ""
 
 
 def _logging_failures(twin):
     @functools.wraps(twin)
     def call(*args, **kwargs):
-        global _last_logged
+        global _last_logged, _last_failure
         try:
-            return twin(*args, **kwargs)
+            result = twin(*args, **kwargs)
         except MediaDecodeError as exc:
+            _decodes["failed"] += 1
+            _last_failure = f"{exc.path}: {exc.reason} ({type(exc).__name__})"
             # ms-swift's Template.encode retries a failed sample twice at once: one line per sample.
             if _last_logged != (exc.path, exc.reason):
                 _last_logged = (exc.path, exc.reason)
@@ -93,17 +121,79 @@ def _logging_failures(twin):
                     f"swift_safe_media: skipped {exc.path}: {exc.reason} ({type(exc).__name__}, after "
                     f"{'?' if exc.elapsed is None else format(exc.elapsed, '.2f')} s); ms-swift takes another sample")
             raise
+        _decodes["ok"] += 1
+        return result
     return call
 
 
 def _host_logger():
-    # ms-swift's own logger, in ms-swift's format: in its processes the root handler
-    # passes only errors, so a warning on ours would be lost.
+    # ms-swift's own logger, in ms-swift's format, where it passes warnings: on local
+    # ranks other than 0 (and their DataLoader workers) it passes only errors.
     try:
         from swift.utils import get_logger
-        return get_logger()
+        logger = get_logger()
+        if logger.isEnabledFor(logging.WARNING):
+            return logger
     except Exception:
-        return log
+        pass
+    return log
+
+
+# --- error budget --------------------------------------------------------------------
+# A sample is one row LazyLLMDataset tries to encode (ms-swift's own retries of it
+# included): it failed if a loader raised MediaDecodeError while it was encoded, it
+# succeeded if it was encoded and a loader decoded media for it. Rows without media do
+# not count. Per process, like the DataLoader workers that encode the rows.
+
+class _BudgetSpent(BaseException):
+    """Carries ErrorBudgetExceeded past LazyLLMDataset's ``except Exception`` resample loop."""
+
+
+_budget: ErrorBudget | None = None
+
+
+def _error_budget() -> ErrorBudget:
+    global _budget
+    if _budget is None:
+        _budget = ErrorBudget.from_environment()
+    return _budget
+
+
+def getitem_within_budget(stock_getitem, dataset, idx):
+    """``LazyLLMDataset.__getitem__`` with each row it tries counted against the error budget;
+    a spent budget raises ErrorBudgetExceeded to the DataLoader (and on to the trainer)."""
+    encode = dataset.encode_func
+    dataset.encode_func = functools.partial(_encode_within_budget, encode)
+    try:
+        return stock_getitem(dataset, idx)
+    except _BudgetSpent as spent:
+        raise spent.args[0] from None
+    finally:
+        dataset.encode_func = encode
+
+
+def _encode_within_budget(encode, row, *args, **kwargs):
+    ok, failed = _decodes["ok"], _decodes["failed"]
+    try:
+        encoded = encode(row, *args, **kwargs)
+    except Exception:
+        if _decodes["failed"] > failed:
+            try:
+                _error_budget().failure(_last_failure)
+            except ErrorBudgetExceeded as exc:
+                raise _BudgetSpent(exc) from None
+        raise
+    if _decodes["ok"] > ok:
+        _error_budget().success()
+    return encoded
+
+
+# --- run summary ---------------------------------------------------------------------
+
+def callbacks_with_summary(stock_get_callbacks, trainer, args):
+    from ..trainer_callback import SummaryCallback
+
+    return stock_get_callbacks(trainer, args) + [SummaryCallback()]
 
 
 # --- flags ---------------------------------------------------------------------------
@@ -115,6 +205,10 @@ def _bool(text: str) -> bool:
     if value in ("false", "0", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _registry(text: str) -> str:
+    return "" if text.strip().lower() in ("", "none", "off", "false") else text
 
 
 FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -130,6 +224,14 @@ _GROUP.add_argument("--safe_media_mp_context", choices=config.MP_CONTEXTS, defau
                          f"(default: spawn, or {config.MP_CONTEXT})")
 _GROUP.add_argument("--safe_media_max_memory_mb", type=int, default=None, metavar="MB",
                     help=f"address space one decode may add; 0: no cap (default: RAM/4, or {config.MAX_MEMORY_MB})")
+_GROUP.add_argument("--safe_media_quarantine", type=_registry, default=None, metavar="PATH",
+                    help="JSON Lines registry of files that failed, refused at once afterwards; 'none': off "
+                         f"(default: <output_dir>/{RUN_FOLDER}/quarantine.jsonl, or {config.QUARANTINE})")
+_GROUP.add_argument("--safe_media_stall_timeout", type=float, default=None, metavar="SECONDS",
+                    help="seconds without a batch before every process's stacks are logged; 0: off "
+                         f"(default: 0, or {config.STALL_TIMEOUT})")
+_GROUP.add_argument("--safe_media_stall_action", choices=("log", "abort"), default=None,
+                    help=f"after the stacks, abort exits with code 75 (default: log, or {config.STALL_ACTION})")
 
 _MP_FLAG = "--dataloader_multiprocessing_context"
 
@@ -150,11 +252,14 @@ def parse_args(original, class_type, argv=None):
             and not any(arg.split("=")[0] == _MP_FLAG for arg in rest)):
         rest += [_MP_FLAG, mp_context]
     try:
-        return original(class_type, rest)
+        parsed = original(class_type, rest)
     except SystemExit:
         if any(arg in ("-h", "--help") for arg in rest):
             print("\n" + FLAGS.format_help().split("\n", 2)[-1].strip("\n"))
         raise
+    if env_state():
+        protect_run(parsed[0])
+    return parsed
 
 
 def apply_flags(flags: argparse.Namespace) -> None:
@@ -162,11 +267,27 @@ def apply_flags(flags: argparse.Namespace) -> None:
     import swift_safe_media
 
     config.write(timeout=flags.safe_media_timeout, max_memory_mb=flags.safe_media_max_memory_mb,
-                 mp_context=flags.safe_media_mp_context)
+                 mp_context=flags.safe_media_mp_context, quarantine=flags.safe_media_quarantine,
+                 stall_timeout=flags.safe_media_stall_timeout, stall_action=flags.safe_media_stall_action)
     if flags.safe_media is True:
         swift_safe_media.enable(hosts=[HOST])
     elif flags.safe_media is False:
         swift_safe_media.disable()
+
+
+def protect_run(args) -> None:
+    """Turn protection on in this process with the run's defaults, once ms-swift has
+    parsed its arguments: a training run's registry (and, next to it, the stats and the
+    summary) goes under its output_dir. That is the final one, with the ``v<N>-<time>``
+    folder ms-swift adds and broadcasts to every rank, and it is in the environment
+    before any DataLoader worker starts."""
+    import swift_safe_media
+
+    output_dir = getattr(getattr(args, "training_args", None), "output_dir", None)
+    registry = None
+    if output_dir and config.QUARANTINE not in os.environ:
+        registry = os.path.join(output_dir, RUN_FOLDER, "quarantine.jsonl")
+    swift_safe_media.enable(hosts=[HOST], quarantine=registry)
 
 
 def _has_field(class_type, name: str) -> bool:

@@ -1,0 +1,49 @@
+"""The run summary from inside a transformers ``Trainer`` (ms-swift adds it by itself).
+
+Every logging step (``logging_steps``) and at the end of training, the main process
+logs the summary line and writes ``safe_media_summary.json`` next to the quarantine
+registry (else into the stats folder). Every rank records the step it reached, so the
+summary shows whether the ranks stayed in step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from transformers import TrainerCallback
+
+from . import config, summary
+
+SUMMARY_FILE = "safe_media_summary.json"
+
+
+def summary_path() -> str | None:
+    registry = os.environ.get(config.QUARANTINE, "").strip()
+    folder = os.path.dirname(os.path.abspath(registry)) if registry else os.environ.get(summary.STATS_DIR)
+    return os.path.join(folder, SUMMARY_FILE) if folder else None
+
+
+class SummaryCallback(TrainerCallback):
+    def __init__(self):
+        self.reported_step = None
+
+    def on_log(self, args, state, control, **kwargs):
+        summary.note_step(state.global_step)
+        # on_train_end reports the last step, once the last counts are written.
+        if state.global_step != self.reported_step and state.global_step < state.max_steps:
+            self._report(state)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        summary.note_step(state.global_step)
+        self._report(state, final=True)
+
+    def _report(self, state, final: bool = False) -> None:
+        self.reported_step = state.global_step
+        path = summary_path()
+        if state.is_world_process_zero and path is not None:
+            if final:
+                # Workers and other ranks write their last counts and step within this time.
+                time.sleep(summary.FLUSH_EVERY_S + 0.5)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            summary.write_summary(path, step=state.global_step)
