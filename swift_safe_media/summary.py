@@ -187,3 +187,32 @@ def write_summary(path: str, step=None) -> dict:
     except OSError as exc:
         log.warning("swift_safe_media: cannot write the run summary %s: %s", path, exc)
     return summary
+
+
+SUMMARY_STEPS = "SWIFT_SAFE_MEDIA_SUMMARY_STEPS"
+SUMMARY_FILE = "safe_media_summary.json"
+
+
+def summary_steps() -> int:
+    """Batches between summaries in hosts that count batches themselves (LeRobot); 0: only at the end."""
+    from .config import _number
+
+    return _number(SUMMARY_STEPS, 200, int, minimum=0)  # LeRobot's own log_freq default
+
+
+def summary_path() -> str | None:
+    """Where the JSON summary goes: next to the quarantine registry, else into the stats folder."""
+    from .config import QUARANTINE
+
+    registry = os.environ.get(QUARANTINE, "").strip()
+    folder = os.path.dirname(os.path.abspath(registry)) if registry else os.environ.get(STATS_DIR)
+    return os.path.join(folder, SUMMARY_FILE) if folder else None
+
+
+def report(step=None) -> dict | None:
+    """Log the run summary and write it to :func:`summary_path`; None when no run is recorded."""
+    path = summary_path()
+    if path is None:
+        return None
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return write_summary(path, step)
