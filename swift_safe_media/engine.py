@@ -51,6 +51,7 @@ class _Sandbox:
     def __init__(self, pid: int, conn: socket.socket):
         self.pid, self.conn = pid, conn
         self.blocks = transport.MappedBlocks()
+        self.setups_done = 0  # how many of _sandbox_setups have run here
 
     def hand_back_blocks(self, deadline) -> None:
         """Tell the sandbox which of its arena blocks no array here views any more."""
@@ -257,11 +258,28 @@ class Engine:
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._checkout()
-        except (OSError, EOFError) as exc:
+            self._set_up(box, path)
+        except BaseException as exc:
             if owned:
                 os.close(fd)
-            raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
+            if isinstance(exc, (OSError, EOFError)):
+                raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
+            raise
         self.stats["calls"] += 1
+        return self._exchange(box, message, fd, owned, timeout, path, on_progress)
+
+    def _set_up(self, box: _Sandbox, path) -> None:
+        """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
+        while box.setups_done < len(_sandbox_setups):
+            message, fd, owned = _encode_request(_sandbox_setups[box.setups_done], (), {})
+            self._exchange(box, message, fd, owned, config.start_timeout(), path, keep=True)
+            box.setups_done += 1
+
+    def _exchange(self, box: _Sandbox, message, fd, owned, timeout: float, path, on_progress=None,
+                  keep: bool = False):
+        """Send one request and return its result. The sandbox goes back to the pool
+        afterwards, or stays checked out with ``keep`` and a result; one that failed
+        is replaced."""
         started = time.monotonic()
         deadline = started + timeout
         try:
@@ -297,7 +315,8 @@ class Engine:
             raise
         elapsed = time.monotonic() - started
         if kind == transport.RESULT:
-            self._checkin(box)
+            if not keep:
+                self._checkin(box)
             return payload
         exc, details = payload
         if details["out_of_memory"]:
@@ -449,6 +468,18 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
         raise
     accounting.end()
     return result
+
+
+_sandbox_setups: list = []
+
+
+def set_up_sandboxes(fn) -> None:
+    """Run ``fn()`` (a module-level function) once in each sandbox of this process before
+    the sandbox's first call, replacements included: imports a host needs there, say.
+    It runs under the start-up timeout (``SWIFT_SAFE_MEDIA_START_TIMEOUT``), not the
+    call's, and is not counted as a decode."""
+    if fn not in _sandbox_setups:
+        _sandbox_setups.append(fn)
 
 
 FAILED_PATH = "swift_safe_media_path"  # set by call_each on the exception it raises

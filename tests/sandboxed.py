@@ -160,3 +160,17 @@ def fail_on(path, fail_for):
     if path == fail_for:
         raise ValueError(f"cannot decode {path}")
     return path
+
+
+_setups_run = 0
+
+
+def slow_setup():
+    """A sandbox setup that takes longer than the calls' timeout in the test."""
+    global _setups_run
+    time.sleep(1.5)
+    _setups_run += 1
+
+
+def setups_run():
+    return _setups_run

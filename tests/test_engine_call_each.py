@@ -65,3 +65,22 @@ def test_quarantine_and_statistics_count_each_call(tmp_path, monkeypatch, fifo):
     assert call_each(sandboxed.echo, [(str(good),)], [str(good)]) == [str(good)]
     counts = summary.collect()
     assert (counts["ok"], counts["timeout"], counts["quarantined"]) == (2, 1, 1), counts
+
+
+def test_sandbox_setup_runs_once_per_sandbox_outside_the_calls_timeout(fresh_engine, tmp_path, monkeypatch):
+    from swift_safe_media import engine
+
+    monkeypatch.setenv(summary.STATS_DIR, str(tmp_path / "stats"))
+    engine.set_up_sandboxes(sandboxed.slow_setup)
+    engine.set_up_sandboxes(sandboxed.slow_setup)  # registered once
+    try:
+        # 1.5 s of setup, then calls bounded by 1 s each: the setup is not the call's time.
+        assert call(sandboxed.setups_run, timeout=1.0) == 1
+        assert call(sandboxed.setups_run, timeout=1.0) == 1
+        with pytest.raises(MediaDecodeTimeout):
+            call(sandboxed.hold_gil_on_locked_mutex, timeout=0.5)
+        assert call(sandboxed.setups_run, timeout=1.0) == 1, "the replacement sandbox ran it too"
+        counts = summary.collect()
+        assert (counts["ok"], counts["timeout"], counts["error"]) == (3, 1, 0), counts
+    finally:
+        engine._sandbox_setups.remove(sandboxed.slow_setup)

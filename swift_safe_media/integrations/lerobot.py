@@ -145,14 +145,11 @@ def query_videos_in_one_call(stock_query_videos, dataset, query_timestamps, ep_i
 def _decode_in_sandbox(requests):
     """Frames for each (path, timestamps, tolerance_s, backend), decoded in the sandbox."""
     paths = [request[0] for request in requests]
+    # Importing LeRobot takes seconds in a fresh sandbox (one per worker, and one after
+    # every kill); that must not count against a decode's own timeout.
+    engine.set_up_sandboxes(import_lerobot_in_sandbox)
     try:
-        try:
-            decoded = engine.call_each(frames_in_sandbox, requests, paths)
-        except SandboxWithoutLeRobot:
-            # Importing LeRobot takes seconds in a fresh sandbox (one per worker, and one
-            # after every kill); that must not count against the decode's own timeout.
-            engine.call(import_lerobot_in_sandbox, timeout=config.start_timeout())
-            decoded = engine.call_each(frames_in_sandbox, requests, paths)
+        decoded = engine.call_each(frames_in_sandbox, requests, paths)
     except Exception as exc:
         if getattr(exc, VIDEO_ATTRIBUTE, None) is None:
             setattr(exc, VIDEO_ATTRIBUTE, paths[0])
@@ -169,10 +166,6 @@ def _as_lerobot_floats(frames):
     return frames
 
 
-class SandboxWithoutLeRobot(Exception):
-    """Raised in a fresh sandbox: LeRobot must be imported there before the first decode."""
-
-
 def import_lerobot_in_sandbox() -> None:
     importlib.import_module(VIDEO_UTILS)
 
@@ -181,9 +174,7 @@ def frames_in_sandbox(video_path, timestamps, tolerance_s, backend):
     """Runs in the sandbox: LeRobot's decode, with its decoder cache (torchcodec decoders
     keyed by path) living as long as the sandbox does. torchcodec frames are returned as
     uint8, before LeRobot's float conversion."""
-    video_utils = sys.modules.get(VIDEO_UTILS)
-    if video_utils is None:
-        raise SandboxWithoutLeRobot()
+    video_utils = importlib.import_module(VIDEO_UTILS)  # imported already, by the sandbox's setup
     if backend == "torchcodec" and hasattr(video_utils, "_default_decoder_cache"):
         return _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s)
     return _stock(VIDEO_UTILS, "decode_video_frames")(video_path, timestamps, tolerance_s, backend)
