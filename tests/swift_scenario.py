@@ -9,6 +9,9 @@ Clips (built with ffmpeg at run time):
   ``FORCE_QWENVL_VIDEO_READER=decord``);
 - ``playlist.mp4``: an HLS playlist whose segment is a FIFO (every stock reader blocks);
 - ``fifo.wav``: a FIFO named like a clip (librosa blocks in open()).
+
+``build_broken`` adds clips that fail at once (for the error budget): ``empty.mp4``
+(zero bytes) and ``garbage.mp4`` (random bytes).
 """
 
 from __future__ import annotations
@@ -87,17 +90,24 @@ def build_media(directory: Path) -> dict[str, str]:
     return clips
 
 
-def build_dataset(directory: Path, clips: dict[str, str]) -> str:
+def build_broken(directory: Path) -> dict[str, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "empty.mp4").write_bytes(b"")
+    (directory / "garbage.mp4").write_bytes(bytes(range(256)) * 64)
+    return {name: str(directory / name) for name in ("empty.mp4", "garbage.mp4")}
+
+
+def build_dataset(directory: Path, clips: dict[str, str], name: str = "train.jsonl") -> str:
     """One row per clip: with batch size 1, one epoch is one step per row."""
     rows = []
-    for name, path in clips.items():
-        if name.endswith(".wav"):
+    for name_of_clip, path in clips.items():
+        if name_of_clip.endswith(".wav"):
             rows.append({"messages": [{"role": "user", "content": "<audio>What do you hear?"},
                                       {"role": "assistant", "content": "a tone"}], "audios": [path]})
         else:
             rows.append({"messages": [{"role": "user", "content": "<video>What do you see?"},
                                       {"role": "assistant", "content": "a test pattern"}], "videos": [path]})
-    path = directory / "train.jsonl"
+    path = directory / name
     with open(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -112,9 +122,10 @@ def build(directory: str | os.PathLike) -> dict[str, str]:
             "dataset": build_dataset(directory, clips), **clips}
 
 
-def sft_args(built: dict[str, str], output_dir: str, *, workers: int = 2, lazy: bool = True) -> list[str]:
+def sft_args(built: dict[str, str], output_dir: str, *, workers: int = 2, lazy: bool = True,
+             dataset: str | None = None) -> list[str]:
     """One epoch, batch size 1: as many steps as rows, unless rows are dropped."""
-    return ["--model", built["model"], "--model_type", "qwen2_5_omni", "--dataset", built["dataset"],
+    return ["--model", built["model"], "--model_type", "qwen2_5_omni", "--dataset", dataset or built["dataset"],
             "--tuner_type", "lora", "--torch_dtype", "float32", "--num_train_epochs", "1",
             "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
             "--dataloader_num_workers", str(workers), "--lazy_tokenize", str(lazy).lower(), "--max_length", "4096",
@@ -179,3 +190,22 @@ def skipped(log: str) -> dict[str, str]:
     import re
     return {os.path.basename(path): reason
             for path, reason in re.findall(r"swift_safe_media: skipped (\S+): (.*?) \(\w+, after", log)}
+
+
+def run_folder(output_dir: str) -> Path:
+    """``<output_dir>/v<N>-<time>/safe_media``: the run's registry, stats and summary."""
+    [version] = Path(output_dir).glob("v*-*")
+    return version / "safe_media"
+
+
+def registry_entries(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def summaries(log: str) -> list[dict]:
+    """The counts of each `swift_safe_media summary at step N: ...` line, in order."""
+    import re
+    found = []
+    for step, counts in re.findall(r"swift_safe_media summary at step (\d+): (.*?);", log):
+        found.append({"step": int(step), **{kind: int(number) for number, kind in re.findall(r"(\d+) (\w+)", counts)}})
+    return found
