@@ -62,3 +62,14 @@ class ErrorBudget:
                 f"swift_safe_media: {self.failures} of {self.samples} samples ({fraction:.1%}) failed "
                 f"to decode (limit {self.max_fraction:.1%}, {MAX_FAILURE_FRACTION}) in process "
                 f"{os.getpid()}; stopping instead of training on substitutes. Last failure: {what}")
+
+
+_budgets: dict[int, ErrorBudget] = {}
+
+
+def process_budget() -> ErrorBudget:
+    """This process's budget, from the environment (a forked worker starts its own count)."""
+    budget = _budgets.get(os.getpid())
+    if budget is None:
+        budget = _budgets[os.getpid()] = ErrorBudget.from_environment()
+    return budget

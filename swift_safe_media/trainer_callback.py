@@ -8,21 +8,11 @@ summary shows whether the ranks stayed in step.
 
 from __future__ import annotations
 
-import os
 import time
 
 from transformers import TrainerCallback
 
-from . import config, summary
-
-SUMMARY_FILE = "safe_media_summary.json"
-
-
-def summary_path() -> str | None:
-    registry = os.environ.get(config.QUARANTINE, "").strip()
-    folder = os.path.dirname(os.path.abspath(registry)) if registry else os.environ.get(summary.STATS_DIR)
-    return os.path.join(folder, SUMMARY_FILE) if folder else None
-
+from . import summary
 
 class SummaryCallback(TrainerCallback):
     def __init__(self):
@@ -40,10 +30,8 @@ class SummaryCallback(TrainerCallback):
 
     def _report(self, state, final: bool = False) -> None:
         self.reported_step = state.global_step
-        path = summary_path()
-        if state.is_world_process_zero and path is not None:
+        if state.is_world_process_zero and summary.summary_path() is not None:
             if final:
                 # Workers and other ranks write their last counts and step within this time.
                 time.sleep(summary.FLUSH_EVERY_S + 0.5)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            summary.write_summary(path, step=state.global_step)
+            summary.report(step=state.global_step)

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch.utils.data
 
-from swift_safe_media import MediaDecodeTimeout, call, summary
+from swift_safe_media import call, summary
 
 from . import sandboxed
 from .loader_datasets import SandboxedDataset

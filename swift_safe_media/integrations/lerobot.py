@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import importlib
 import logging
 import os
@@ -35,10 +34,10 @@ import sys
 import time
 
 from .. import activation, config, engine, summary
-from ..budget import ErrorBudget
+from ..budget import process_budget
 from ..errors import MediaDecodeError
 from . import env_state, installed_version
-from ._patching import Patcher, mark, original_of
+from ._patching import MethodPatcher, Patcher, original_of
 
 log = logging.getLogger("swift_safe_media")
 
@@ -69,7 +68,7 @@ METHODS = (
 VIDEO_ATTRIBUTE = engine.FAILED_PATH
 
 _patcher = Patcher(scope=("lerobot",))
-_patched_methods: list[tuple[type, str, object]] = []  # (class, name, original)
+_method_patcher = MethodPatcher()
 
 
 def get_version() -> str | None:
@@ -87,32 +86,16 @@ def patch() -> None:
     for module_name, class_name, name, stand_in in METHODS:
         cls = getattr(sys.modules.get(module_name), class_name, None)
         if cls is not None:
-            _patch_method(cls, name, globals()[stand_in])
+            _method_patcher.replace(cls, name, globals()[stand_in])
 
 
 def unpatch() -> None:
     _patcher.restore()
-    while _patched_methods:
-        cls, name, original = _patched_methods.pop()
-        setattr(cls, name, original)
+    _method_patcher.restore()
 
 
 def is_patched() -> bool:
-    return bool(_patcher) or bool(_patched_methods)
-
-
-def _patch_method(cls, name, stand_in) -> None:
-    current = cls.__dict__[name]
-    if original_of(current) is not None:
-        return
-
-    @functools.wraps(current)
-    def replacement(self, *args, **kwargs):
-        return stand_in(current, self, *args, **kwargs)
-
-    mark(replacement, current)
-    setattr(cls, name, replacement)
-    _patched_methods.append((cls, name, current))
+    return bool(_patcher) or bool(_method_patcher)
 
 
 def _stock(module_name: str, name: str):
@@ -204,19 +187,11 @@ def _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s):
 # are substituted at once instead of paying the timeout again. Per-sample errors (a
 # truncated file still has good frames) do not put a file here.
 _bad_files: dict[str, str] = {}
-_budget: ErrorBudget | None = None
-
-
-def _error_budget() -> ErrorBudget:
-    global _budget
-    if _budget is None:
-        _budget = ErrorBudget.from_environment()
-    return _budget
 
 
 def getitem_or_substitute(stock_getitem, dataset, idx):
     """Return ``dataset[idx]``, or, if its video cannot be decoded, another sample."""
-    budget = _error_budget()
+    budget = process_budget()
     failures = []
     for candidate in _candidates(dataset, idx):
         known_bad = _known_bad_video(dataset, candidate) if _bad_files else None

@@ -25,7 +25,7 @@ import os
 import sys
 
 from .. import config
-from ..budget import ErrorBudget, ErrorBudgetExceeded
+from ..budget import ErrorBudgetExceeded, process_budget
 from ..errors import MediaDecodeError
 from . import env_state, installed_version
 from ._patching import MethodPatcher, Patcher
@@ -149,14 +149,6 @@ class _BudgetSpent(BaseException):
     """Carries ErrorBudgetExceeded past LazyLLMDataset's ``except Exception`` resample loop."""
 
 
-_budget: ErrorBudget | None = None
-
-
-def _error_budget() -> ErrorBudget:
-    global _budget
-    if _budget is None:
-        _budget = ErrorBudget.from_environment()
-    return _budget
 
 
 def getitem_within_budget(stock_getitem, dataset, idx):
@@ -179,12 +171,12 @@ def _encode_within_budget(encode, row, *args, **kwargs):
     except Exception:
         if _decodes["failed"] > failed:
             try:
-                _error_budget().failure(_last_failure)
+                process_budget().failure(_last_failure)
             except ErrorBudgetExceeded as exc:
                 raise _BudgetSpent(exc) from None
         raise
     if _decodes["ok"] > ok:
-        _error_budget().success()
+        process_budget().success()
     return encoded
 
 
