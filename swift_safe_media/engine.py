@@ -254,7 +254,8 @@ class Engine:
         return status
 
     # -- calls --------------------------------------------------------------------
-    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None):
+    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None, on_start=None):
+        """``on_start()`` is called once a sandbox is ready and set up, as the call itself starts."""
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._checkout()
@@ -266,6 +267,8 @@ class Engine:
                 raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
             raise
         self.stats["calls"] += 1
+        if on_start is not None:
+            on_start()
         return self._exchange(box, message, fd, owned, timeout, path, on_progress)
 
     def _set_up(self, box: _Sandbox, path) -> None:
@@ -462,7 +465,7 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
     accounting.check(media)
     accounting.begin(media)
     try:
-        result = get_engine().run(fn, args, kwargs, timeout, media)
+        result = get_engine().run(fn, args, kwargs, timeout, media, on_start=accounting.restart_clock)
     except BaseException as exc:
         accounting.end(exc)
         raise
@@ -516,7 +519,7 @@ def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
             accounting.check(path)
         accounting.begin(paths[0])
         results = get_engine().run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0],
-                                   on_progress=next_call)
+                                   on_progress=next_call, on_start=accounting.restart_clock)
     except BaseException as exc:
         accounting.end(exc)
         failed = exc.path if isinstance(exc, MediaQuarantined) else paths[current]
@@ -552,6 +555,10 @@ class _Accounting:
     def begin(self, media) -> None:
         self.media, self.started = media, time.monotonic()
         self.marker = self.tracker.begin(media, self.fn) if self.tracker is not None else ""
+
+    def restart_clock(self) -> None:
+        """Latency counts the decode, not the sandbox's start or setup before it."""
+        self.started = time.monotonic()
 
     def end(self, exc: BaseException | None = None) -> None:
         """Close the current decode: ok without ``exc``, else the failure ``exc``."""

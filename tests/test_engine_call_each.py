@@ -82,5 +82,13 @@ def test_sandbox_setup_runs_once_per_sandbox_outside_the_calls_timeout(fresh_eng
         assert call(sandboxed.setups_run, timeout=1.0) == 1, "the replacement sandbox ran it too"
         counts = summary.collect()
         assert (counts["ok"], counts["timeout"], counts["error"]) == (3, 1, 0), counts
+        assert counts["latency_p99_s"] < 1.0, "the 1.5 s setups are not decode time"
     finally:
         engine._sandbox_setups.remove(sandboxed.slow_setup)
+
+
+def test_latency_counts_the_call_not_the_sandbox_start(fresh_engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(summary.STATS_DIR, str(tmp_path / "stats"))
+    call(sandboxed.add, 1, 2)  # starts the zygote and a sandbox: seconds
+    counts = summary.collect()
+    assert counts["ok"] == 1 and counts["latency_p99_s"] < 0.5, counts
