@@ -109,7 +109,8 @@ class Registry:
             return
         with self._lock:
             self._entries[(real, size, mtime_ns)] = entry
-        log.warning("swift_safe_media: quarantined %s after a %s: %s", path, kind, reason)
+        log.warning("swift_safe_media: quarantined %s after %s %s: %s", path,
+                    "an" if kind[0] in "aeiou" else "a", kind, reason)
 
 
 _registries: dict[str, Registry] = {}

@@ -117,9 +117,9 @@ def _logging_failures(twin):
             # ms-swift's Template.encode retries a failed sample twice at once: one line per sample.
             if _last_logged != (exc.path, exc.reason):
                 _last_logged = (exc.path, exc.reason)
-                _host_logger().warning(
-                    f"swift_safe_media: skipped {exc.path}: {exc.reason} ({type(exc).__name__}, after "
-                    f"{'?' if exc.elapsed is None else format(exc.elapsed, '.2f')} s); ms-swift takes another sample")
+                after = "" if exc.elapsed is None else f", after {exc.elapsed:.2f} s"
+                _host_logger().warning(f"swift_safe_media: skipped {exc.path}: {exc.reason} "
+                                       f"({type(exc).__name__}{after}); ms-swift takes another sample")
             raise
         _decodes["ok"] += 1
         return result
