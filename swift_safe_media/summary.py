@@ -209,10 +209,39 @@ def summary_path() -> str | None:
     return os.path.join(folder, SUMMARY_FILE) if folder else None
 
 
-def report(step=None) -> dict | None:
+_final_reported = False
+_reports_at_exit = False
+
+
+def report(step=None, final: bool = False) -> dict | None:
     """Log the run summary and write it to :func:`summary_path`; None when no run is recorded."""
+    global _final_reported
     path = summary_path()
     if path is None:
         return None
+    _final_reported = _final_reported or final
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return write_summary(path, step)
+
+
+def report_at_exit(step_reached) -> None:
+    """Once per process: the final summary at exit, unless the host gave one already (it
+    did not if training died: a spent error budget, say). ``step_reached()`` names the step."""
+    global _reports_at_exit
+    if not _reports_at_exit:
+        _reports_at_exit = True
+        atexit.register(_report_at_exit, step_reached)
+
+
+def _report_at_exit(step_reached) -> None:
+    if _final_reported or summary_path() is None:
+        return
+    # DataLoader workers and other ranks write their last counts within a second.
+    time.sleep(FLUSH_EVERY_S + 0.5)
+    report(step=step_reached(), final=True)
+
+
+def step_noted() -> int | None:
+    """The training step this process last noted (:func:`note_step`)."""
+    found = recorder()
+    return None if found is None else found.step

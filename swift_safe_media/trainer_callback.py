@@ -34,4 +34,4 @@ class SummaryCallback(TrainerCallback):
             if final:
                 # Workers and other ranks write their last counts and step within this time.
                 time.sleep(summary.FLUSH_EVERY_S + 0.5)
-            summary.report(step=state.global_step)
+            summary.report(step=state.global_step, final=final)

@@ -9,6 +9,7 @@ run goes in a subprocess killed after a bound, never in this process."""
 
 import json
 import os
+import re
 import socket
 
 import pytest
@@ -134,6 +135,11 @@ def test_the_error_budget_stops_a_run_of_substitutes_from_a_worker(built, tmp_pa
             "(limit 3, SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES)") in log
     assert "Failed to retrieve the dataset" not in log  # not ms-swift's own give-up after 10 tries
     assert scenario.steps(log)[0] < len(clips)
+    # Training died before its first step, so the trainer never reported: the summary comes at exit.
+    at_exit = re.search(r"swift_safe_media summary: (\d+) decodes, (\d+) ok, .* (\d+) quarantined, (\d+) errors", log)
+    assert at_exit, log[-3000:]
+    decodes, ok, quarantined, errors = map(int, at_exit.groups())
+    assert quarantined + errors >= 3 and ok < decodes, at_exit.group(0)
 
 
 def free_port() -> int:

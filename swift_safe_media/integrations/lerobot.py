@@ -24,14 +24,12 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import importlib
 import logging
 import os
 import random
 import sys
-import time
 
 from .. import activation, config, engine, summary
 from ..budget import process_budget
@@ -287,21 +285,13 @@ _batches_drawn = 0
 
 def _reporting(batches):
     global _batches_drawn
-    if _batches_drawn == 0:
-        atexit.register(_final_summary)
+    summary.report_at_exit(lambda: _batches_drawn)  # lerobot-train ends by exiting, mid-cycle
     every = summary.summary_steps()
     for batch in batches:
         _batches_drawn += 1
         yield batch
         if every and _batches_drawn % every == 0:
             summary.report(step=_batches_drawn)
-
-
-def _final_summary() -> None:
-    if summary.summary_path() is not None:
-        # DataLoader workers write their last counts within a second of their last decode.
-        time.sleep(summary.FLUSH_EVERY_S + 0.5)
-        summary.report(step=_batches_drawn)
 
 
 def train_config_has_start_method(train_config_class=None) -> bool:

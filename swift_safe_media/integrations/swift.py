@@ -24,7 +24,7 @@ import logging
 import os
 import sys
 
-from .. import config
+from .. import config, summary
 from ..budget import ErrorBudgetExceeded, process_budget
 from ..errors import MediaDecodeError
 from . import env_state, installed_version
@@ -280,6 +280,8 @@ def protect_run(args) -> None:
     if output_dir and config.QUARANTINE not in os.environ:
         registry = os.path.join(output_dir, RUN_FOLDER, "quarantine.jsonl")
     swift_safe_media.enable(hosts=[HOST], quarantine=registry)
+    if int(os.environ.get("RANK", "0")) == 0:
+        summary.report_at_exit(summary.step_noted)  # training that dies gets its summary too
 
 
 def _has_field(class_type, name: str) -> bool:
