@@ -20,6 +20,8 @@ import random
 import threading
 import time
 
+from .config import QUARANTINE, _number
+
 log = logging.getLogger("swift_safe_media")
 
 STATS_DIR = "SWIFT_SAFE_MEDIA_STATS_DIR"
@@ -195,15 +197,11 @@ SUMMARY_FILE = "safe_media_summary.json"
 
 def summary_steps() -> int:
     """Batches between summaries in hosts that count batches themselves (LeRobot); 0: only at the end."""
-    from .config import _number
-
     return _number(SUMMARY_STEPS, 200, int, minimum=0)  # LeRobot's own log_freq default
 
 
 def summary_path() -> str | None:
     """Where the JSON summary goes: next to the quarantine registry, else into the stats folder."""
-    from .config import QUARANTINE
-
     registry = os.environ.get(QUARANTINE, "").strip()
     folder = os.path.dirname(os.path.abspath(registry)) if registry else os.environ.get(STATS_DIR)
     return os.path.join(folder, SUMMARY_FILE) if folder else None
@@ -214,12 +212,16 @@ _reports_at_exit = False
 
 
 def report(step=None, final: bool = False) -> dict | None:
-    """Log the run summary and write it to :func:`summary_path`; None when no run is recorded."""
+    """Log the run summary and write it to :func:`summary_path`; None when no run is recorded.
+    A ``final`` one first waits for the last counts of workers and other ranks."""
     global _final_reported
     path = summary_path()
     if path is None:
         return None
-    _final_reported = _final_reported or final
+    if final:
+        _final_reported = True
+        # DataLoader workers and other ranks write their last counts within a second.
+        time.sleep(FLUSH_EVERY_S + 0.5)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return write_summary(path, step)
 
@@ -234,11 +236,8 @@ def report_at_exit(step_reached) -> None:
 
 
 def _report_at_exit(step_reached) -> None:
-    if _final_reported or summary_path() is None:
-        return
-    # DataLoader workers and other ranks write their last counts within a second.
-    time.sleep(FLUSH_EVERY_S + 0.5)
-    report(step=step_reached(), final=True)
+    if not _final_reported:
+        report(step=step_reached(), final=True)
 
 
 def step_noted() -> int | None:

@@ -8,11 +8,10 @@ summary shows whether the ranks stayed in step.
 
 from __future__ import annotations
 
-import time
-
 from transformers import TrainerCallback
 
 from . import summary
+
 
 class SummaryCallback(TrainerCallback):
     def __init__(self):
@@ -30,8 +29,5 @@ class SummaryCallback(TrainerCallback):
 
     def _report(self, state, final: bool = False) -> None:
         self.reported_step = state.global_step
-        if state.is_world_process_zero and summary.summary_path() is not None:
-            if final:
-                # Workers and other ranks write their last counts and step within this time.
-                time.sleep(summary.FLUSH_EVERY_S + 0.5)
+        if state.is_world_process_zero:
             summary.report(step=state.global_step, final=final)

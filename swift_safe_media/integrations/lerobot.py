@@ -76,6 +76,9 @@ def get_version() -> str | None:
 # -- patching -------------------------------------------------------------------------
 def patch() -> None:
     """Patch whatever of the targets is loaded now; called again as more is imported."""
+    # Importing LeRobot takes seconds in a fresh sandbox (one per worker, and one after
+    # every kill); that must not count against a decode's own timeout.
+    engine.set_up_sandboxes(import_lerobot_in_sandbox)
     # A module may be loaded but still executing (the trigger of a module it imports
     # fired): what it has not defined yet is patched by its own trigger, later.
     for module_name, name, stand_in in FUNCTIONS:
@@ -126,15 +129,7 @@ def query_videos_in_one_call(stock_query_videos, dataset, query_timestamps, ep_i
 def _decode_in_sandbox(requests):
     """Frames for each (path, timestamps, tolerance_s, backend), decoded in the sandbox."""
     paths = [request[0] for request in requests]
-    # Importing LeRobot takes seconds in a fresh sandbox (one per worker, and one after
-    # every kill); that must not count against a decode's own timeout.
-    engine.set_up_sandboxes(import_lerobot_in_sandbox)
-    try:
-        decoded = engine.call_each(frames_in_sandbox, requests, paths)
-    except Exception as exc:
-        if getattr(exc, VIDEO_ATTRIBUTE, None) is None:
-            setattr(exc, VIDEO_ATTRIBUTE, paths[0])
-        raise
+    decoded = engine.call_each(frames_in_sandbox, requests, paths)  # failures carry VIDEO_ATTRIBUTE
     return [_as_lerobot_floats(frames) for frames in decoded]
 
 
