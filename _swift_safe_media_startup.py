@@ -2,7 +2,7 @@
 
 Cheap (no import beyond ``os`` and ``sys``), run-once and failing open: it only
 watches for a host framework (ms-swift, LeRobot) to begin importing, then hands over
-to ``swift_safe_media.integrations``, which reads ``SWIFT_SAFE_MEDIA`` and the flags.
+to ``swift_safe_media.activation``, which reads ``SWIFT_SAFE_MEDIA`` and the flags.
 """
 
 import os
@@ -23,9 +23,9 @@ class _HostWatcher:
             if not self.pending:
                 sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
             try:
-                from swift_safe_media import integrations
+                from swift_safe_media import activation
 
-                integrations.on_host_imported(fullname)
+                activation.on_host_imported(fullname)
             except Exception as exc:  # never break the user's interpreter
                 print(f"swift_safe_media: start-up hook skipped for {fullname}: {exc!r}", file=sys.stderr)
         return None

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from . import config
+from . import config, integrations, sandbox
+from .integrations import _imports
 
 
 def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
@@ -20,7 +21,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     """Protect media decoding in this process and in every child it starts.
 
     Calling it again (with a registry known only later, say) updates the settings."""
-    from . import integrations, watchdog
+    from . import watchdog
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
@@ -61,13 +62,32 @@ def _choose_stats_dir() -> None:
 
 def disable() -> None:
     """Restore the hosts' own loaders here, and keep children from turning protection on."""
-    from . import integrations
-
     os.environ[integrations.ENABLED] = "0"
     integrations.disable_hosts()
 
 
 def is_enabled() -> bool:
-    from . import integrations
-
     return bool(integrations.enabled_hosts())
+
+
+def on_host_imported(host: str) -> None:
+    """Called by the start-up hook (``_swift_safe_media_startup``) as a host package
+    begins importing: its flags parse from now on, and ``SWIFT_SAFE_MEDIA=1`` turns
+    protection on for it."""
+    adapter = integrations.adapter_for(host)
+    register_flags = getattr(adapter, "register_flags", None)
+    if register_flags is not None:
+        for module_name in getattr(adapter, "FLAG_MODULES", ()):
+            _imports.when_imported(module_name, lambda _module: register_flags())
+    if integrations.env_state():
+        if _starts_runs():
+            enable(hosts=[host])  # the run's stats folder, the watchdog
+        else:
+            integrations.enable_hosts([host])
+
+
+def _starts_runs() -> bool:
+    """False in a DataLoader worker or a sandbox: they join their parent's run."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is None and not sandbox.in_sandbox()

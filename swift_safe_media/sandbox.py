@@ -1,26 +1,25 @@
-"""The processes behind ``call``: a zygote and the sandboxes it forks.
+"""Inside a sandbox: what a process forked by the zygote (:mod:`.zygote`) becomes, and
+the loop that runs the caller's requests.
 
-The zygote is a fresh interpreter (never a fork of the caller, which may have threads)
-that imports the decoders once and stays single-threaded, so forking a sandbox from it
-is safe and takes milliseconds. Each sandbox leads its own process group, so one
-SIGKILL to the group also stops helpers such as an ffmpeg child stuck on a FIFO.
-Neither outlives the caller: the zygote exits on EOF of its control socket after
-killing its sandboxes, and a sandbox gets SIGKILL when the zygote dies.
+A sandbox leads its own process group, dies with its zygote (``PR_SET_PDEATHSIG``), runs
+under an address-space cap above its preloaded baseline, with its thread pools sized to
+``SWIFT_SAFE_MEDIA_THREADS``, and answers the stall watchdog's stack-dump signal. Then
+:func:`serve` runs one request at a time: a function and its arguments in, its result
+(large buffers through a :class:`~.transport.SharedArena`) or its exception and
+traceback out. Code running here sees :func:`in_sandbox` true, so a nested ``call``
+runs in place.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
-import importlib
-import json
 import logging
 import os
 import pickle
 import resource
 import signal
 import socket
-import struct
 import sys
 import traceback
 
@@ -28,117 +27,28 @@ from . import config, transport
 
 log = logging.getLogger("swift_safe_media")
 
-SPAWN, REAP = b"S", b"R"
-CONTROL_REQUEST = struct.Struct("!cQ")
-SPAWN_REPLY = struct.Struct("!q")
-REAP_REPLY = struct.Struct("!qq")  # wait status, peak RSS in KiB
-READY = struct.Struct("!q")
-
-_PREP_ENV = "_SWIFT_SAFE_MEDIA_PREP"
 _PR_SET_PDEATHSIG = 1
 
-_caller_main: dict | None = None
+_in_sandbox = False
+_caller_main: dict | None = None  # how to load the caller's __main__, if a request needs it
 
 
-def zygote_main(control_fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    control = socket.socket(fileno=control_fd)
-    _, prep = transport.receive(control)
-    _apply_preparation(prep)
-    _preload(prep["preload"])
-    control.sendall(READY.pack(os.getpid()))
-    children: set[int] = set()
-    try:
-        while True:
-            try:
-                request = transport.receive_exactly(control, CONTROL_REQUEST.size)
-            except (EOFError, ConnectionError):
-                break
-            op, value = CONTROL_REQUEST.unpack(request)
-            if op == SPAWN:
-                pid, caller_end = _start_sandbox(control, prep, value)
-                children.add(pid)
-                socket.send_fds(control, [SPAWN_REPLY.pack(pid)], [caller_end.fileno()])
-                caller_end.close()
-            elif op == REAP:
-                children.discard(value)
-                _kill_group(value)
-                control.sendall(REAP_REPLY.pack(*_reap(value)))
-    finally:
-        # The caller is gone or done: nothing of ours may outlive it.
-        for pid in children:
-            _kill_group(pid)
-        for pid in children:
-            _reap(pid)
-        os._exit(0)
+def in_sandbox() -> bool:
+    """True in a sandbox (and where :func:`mark_in_sandbox` was called): calls run in place."""
+    return _in_sandbox
 
 
-def _apply_preparation(prep: dict) -> None:
+def mark_in_sandbox() -> None:
+    global _in_sandbox
+    _in_sandbox = True
+
+
+def remember_caller_main(main: dict | None) -> None:
     global _caller_main
-    sys.path[:] = prep["sys_path"]
-    sys.argv[:] = prep["argv"]
-    try:
-        os.chdir(prep["cwd"])
-    except OSError:
-        pass
-    _caller_main = prep["main"]
+    _caller_main = main
 
 
-def _preload(names) -> None:
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # a missing optional decoder must not stop the sandbox
-            log.debug("swift_safe_media: preload of %s skipped: %s", name, exc)
-
-
-def _fork_is_safe() -> bool:
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return True
-
-
-def _start_sandbox(control, prep, memory_cap_mb):
-    caller_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    if not _fork_is_safe():
-        # A preloaded module started a thread: forking now could deadlock the child.
-        log.warning("swift_safe_media: the zygote has threads; starting sandboxes by exec")
-        pid = _exec_sandbox(sandbox_end, prep, memory_cap_mb)
-        sandbox_end.close()
-        return pid, caller_end
-    zygote = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            control.close()
-            caller_end.close()
-            _become_sandbox(sandbox_end, memory_cap_mb, parent=zygote)
-        finally:
-            os._exit(70)
-    sandbox_end.close()
-    return pid, caller_end
-
-
-def _exec_sandbox(sandbox_end, prep, memory_cap_mb) -> int:
-    env = dict(os.environ, **{_PREP_ENV: json.dumps(prep)})
-    os.set_inheritable(sandbox_end.fileno(), True)
-    code = (f"from swift_safe_media.sandbox import exec_sandbox_main; "
-            f"exec_sandbox_main({sandbox_end.fileno()}, {memory_cap_mb}, {os.getpid()})")
-    return os.posix_spawn(sys.executable, [sys.executable, "-c", code], env)
-
-
-def exec_sandbox_main(fd: int, memory_cap_mb: int, parent: int) -> None:
-    prep = json.loads(os.environ.pop(_PREP_ENV))
-    _apply_preparation(prep)
-    _preload(prep["preload"])
-    try:
-        _become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent=parent)
-    finally:
-        os._exit(70)
-
-
-def _become_sandbox(conn, memory_cap_mb: int, parent: int) -> None:
+def become_sandbox(conn, memory_cap_mb: int, parent: int) -> None:
     os.setsid()
     _die_with_parent()
     if os.getppid() != parent:  # the zygote died before the death signal was armed
@@ -148,11 +58,11 @@ def _become_sandbox(conn, memory_cap_mb: int, parent: int) -> None:
     _cap_memory(memory_cap_mb)
     _limit_threads()
     faulthandler.enable()
-    from . import engine, watchdog
+    from . import watchdog
 
     watchdog.answer_stack_dumps()
 
-    engine.mark_in_sandbox()
+    mark_in_sandbox()
     serve(conn, memory_cap_mb)
 
 
@@ -279,18 +189,3 @@ def _load_caller_main() -> None:
         mp_spawn._fixup_main_from_name(main["name"])
     elif main.get("path"):
         mp_spawn._fixup_main_from_path(main["path"])
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _reap(pid: int) -> tuple[int, int]:
-    try:
-        _, status, usage = os.wait4(pid, 0)
-        return status, usage.ru_maxrss
-    except ChildProcessError:
-        return -1, 0

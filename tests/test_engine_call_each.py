@@ -84,7 +84,7 @@ def test_sandbox_setup_runs_once_per_sandbox_outside_the_calls_timeout(fresh_eng
         assert (counts["ok"], counts["timeout"], counts["error"]) == (3, 1, 0), counts
         assert counts["latency_p99_s"] < 1.0, "the 1.5 s setups are not decode time"
     finally:
-        engine._sandbox_setups.remove(sandboxed.slow_setup)
+        engine.forget_sandbox_setup(sandboxed.slow_setup)
 
 
 def test_latency_counts_the_call_not_the_sandbox_start(fresh_engine, tmp_path, monkeypatch):

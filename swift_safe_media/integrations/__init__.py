@@ -116,28 +116,3 @@ def disable_hosts() -> None:
 
 def enabled_hosts() -> set[str]:
     return set(_enabled_hosts)
-
-
-def on_host_imported(host: str) -> None:
-    """Called by the start-up hook as a host package begins importing."""
-    adapter = adapter_for(host)
-    register_flags = getattr(adapter, "register_flags", None)
-    if register_flags is not None:
-        for module_name in getattr(adapter, "FLAG_MODULES", ()):
-            _imports.when_imported(module_name, lambda _module: register_flags())
-    if env_state():
-        if _starts_runs():
-            from .. import activation
-
-            activation.enable(hosts=[host])  # as enable() does: the run's stats folder, the watchdog
-        else:
-            enable_hosts([host])
-
-
-def _starts_runs() -> bool:
-    """False in a DataLoader worker or a sandbox: they join their parent's run."""
-    import multiprocessing
-
-    from .. import engine
-
-    return multiprocessing.parent_process() is None and not engine.in_sandbox()

@@ -1,0 +1,332 @@
+"""The pool behind ``call``: one :class:`Engine` per calling process.
+
+One pool of sandboxes per calling process (one sandbox unless
+``SWIFT_SAFE_MEDIA_SANDBOXES`` says more). Threads of one process share the pool: a
+caller waits for a free sandbox, and the timeout counts only the time its function
+runs, so a slow neighbour never turns into a false timeout. DataLoader workers are
+separate processes and each gets its own pool; a forked child drops the pool it
+inherited and starts its own.
+
+:meth:`Engine.run` is one exchange with a sandbox: send the request, wait for the
+result under the timeout, and on overrun or death kill the sandbox, start its
+successor at once and raise the typed error. Sandboxes come from the zygote
+(:mod:`.zygote`); what runs inside them is :mod:`.sandbox`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+
+from . import config, transport
+from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
+from .zygote import SandboxHandle, Zygote
+
+log = logging.getLogger("swift_safe_media")
+
+
+class RemoteTraceback(Exception):
+    """Carries the sandbox-side traceback as the ``__cause__`` of a re-raised exception."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+_sandbox_setups: list = []
+
+
+def set_up_sandboxes(fn) -> None:
+    """Run ``fn()`` (a module-level function) once in each sandbox of this process before
+    the sandbox's first call, replacements included: imports a host needs there, say.
+    It runs under the start-up timeout (``SWIFT_SAFE_MEDIA_START_TIMEOUT``), not the
+    call's, and is not counted as a decode."""
+    if fn not in _sandbox_setups:
+        _sandbox_setups.append(fn)
+
+
+def forget_sandbox_setup(fn) -> None:
+    """Undo :func:`set_up_sandboxes` for sandboxes started from now on."""
+    if fn in _sandbox_setups:
+        _sandbox_setups.remove(fn)
+
+
+class Engine:
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._idle: list[SandboxHandle] = []
+        self._busy = 0
+        self._closed = False
+        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0,
+                      "last_kill_to_ready_s": None}
+
+    # -- pool ---------------------------------------------------------------------
+    def _checkout(self) -> SandboxHandle:
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise RuntimeError("swift_safe_media engine is shut down")
+                if self._idle and (self._zygote is None or not self._zygote.is_alive()):
+                    self._drop_orphaned_sandboxes()
+                while self._idle:
+                    box = self._idle.pop()
+                    if box.is_alive():
+                        self._busy += 1
+                        return box
+                    self._discard_quietly(box)
+                if self._busy < config.max_sandboxes():
+                    self._busy += 1
+                    break
+                self._lock.wait()
+        try:
+            return self._spawn()
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify()
+            raise
+
+    def _drop_orphaned_sandboxes(self) -> None:
+        """Sandboxes of a dead zygote are dying of PR_SET_PDEATHSIG, maybe not dead yet."""
+        for box in self._idle:
+            box.kill()
+        self._idle.clear()
+
+    def _checkin(self, box: SandboxHandle) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._idle.append(box)
+            self._lock.notify()
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify()
+
+    def _spawn(self, deadline: float | None = None) -> SandboxHandle:
+        with self._zygote_lock:
+            if self._zygote is None or not self._zygote.is_alive():
+                self._drop_zygote()
+                self._zygote = Zygote(config.start_timeout())
+            try:
+                box = self._zygote.spawn(config.max_memory_mb(),
+                                         deadline or time.monotonic() + config.start_timeout())
+            except BaseException:
+                self._drop_zygote()  # a reply may still be on its way: the channel is out of step
+                raise
+        self.stats["sandboxes_started"] += 1
+        return box
+
+    def _drop_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close(wait=0.5)
+            self._zygote = None
+
+    def _end(self, box: SandboxHandle) -> tuple[int, int]:
+        """Kill the sandbox's whole process group, then collect its exit status."""
+        box.kill()
+        with self._zygote_lock:
+            if self._zygote is None:
+                return -1, 0
+            try:
+                return self._zygote.reap(box.pid, time.monotonic() + 5.0)
+            except (OSError, EOFError):
+                self._drop_zygote()
+                return -1, 0
+
+    def _discard_quietly(self, box: SandboxHandle) -> None:
+        status, _ = self._end(box)
+        log.warning("swift_safe_media: an idle sandbox (pid %d) had died (%s); replaced",
+                    box.pid, describe_status(status))
+
+    def _replace(self, box: SandboxHandle) -> tuple[int, int]:
+        """End a failed sandbox and start its successor now, so the next call finds it ready."""
+        killed_at = time.monotonic()
+        status = self._end(box)
+        zygote = self._zygote
+        if zygote is None or not zygote.is_alive():
+            self._release_slot()  # restarting a zygote takes seconds: leave it to the next call
+            return status
+        try:
+            # Bounded, so the caller's error is never held up by a slow fork.
+            successor = self._spawn(deadline=killed_at + 2.0)
+        except BaseException as exc:
+            log.warning("swift_safe_media: could not start a replacement sandbox yet: %s", exc)
+            self._release_slot()
+        else:
+            self.stats["last_kill_to_ready_s"] = time.monotonic() - killed_at
+            self._checkin(successor)
+        return status
+
+    # -- calls --------------------------------------------------------------------
+    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None, on_start=None):
+        """``on_start()`` is called once a sandbox is ready and set up, as the call itself starts."""
+        message, fd, owned = _encode_request(fn, args, kwargs)
+        try:
+            box = self._checkout()
+            self._set_up(box, path)
+        except BaseException as exc:
+            if owned:
+                os.close(fd)
+            if isinstance(exc, (OSError, EOFError)):
+                raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
+            raise
+        self.stats["calls"] += 1
+        if on_start is not None:
+            on_start()
+        return self._exchange(box, message, fd, owned, timeout, path, on_progress)
+
+    def _set_up(self, box: SandboxHandle, path) -> None:
+        """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
+        while box.setups_done < len(_sandbox_setups):
+            message, fd, owned = _encode_request(_sandbox_setups[box.setups_done], (), {})
+            self._exchange(box, message, fd, owned, config.start_timeout(), path, keep=True)
+            box.setups_done += 1
+
+    def _exchange(self, box: SandboxHandle, message, fd, owned, timeout: float, path, on_progress=None,
+                  keep: bool = False):
+        """Send one request and return its result. The sandbox goes back to the pool
+        afterwards, or stays checked out with ``keep`` and a result; one that failed
+        is replaced."""
+        started = time.monotonic()
+        deadline = started + timeout
+        try:
+            try:
+                box.hand_back_blocks(deadline)
+            except BaseException:
+                if owned:
+                    os.close(fd)
+                raise
+            transport.send_encoded(box.conn, message, fd, owned, deadline)
+            kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
+            while kind == transport.PROGRESS:  # the next call of a call_each batch starts
+                path = on_progress(payload)
+                started = time.monotonic()
+                deadline = started + timeout
+                kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
+        except TimeoutError:
+            self.stats["timeouts"] += 1
+            self._replace(box)
+            raise MediaDecodeTimeout(
+                path, f"decode overran its {timeout:g} s timeout; sandbox pid {box.pid} was killed",
+                time.monotonic() - started) from None
+        except (EOFError, ConnectionError) as exc:
+            self.stats["crashes"] += 1
+            status, peak_kib = self._replace(box)
+            reason = f"sandbox pid {box.pid} died during the decode: {describe_status(status)}"
+            cap = config.max_memory_mb()
+            if cap and peak_kib >= 0.9 * cap * 1024:
+                reason += f" (peak memory {peak_kib >> 10} MB, near the {cap} MB cap)"
+            raise MediaDecodeCrash(path, reason, time.monotonic() - started) from exc
+        except BaseException:
+            self._replace(box)  # interrupted mid-exchange: the stream is out of step
+            raise
+        elapsed = time.monotonic() - started
+        if kind == transport.RESULT:
+            if not keep:
+                self._checkin(box)
+            return payload
+        exc, details = payload
+        if details["out_of_memory"]:
+            self._replace(box)  # a heap that hit its cap is not worth reusing
+            raise MediaDecodeError(
+                path, f"memory limit of {details['memory_cap_mb']} MB exceeded "
+                      f"({details['type']}: {details['message']})", elapsed) from None
+        self._checkin(box)
+        raise _rebuild_exception(exc, details, path, elapsed, box.pid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for box in idle:
+            box.conn.close()
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+
+    def abandon(self) -> None:
+        for box in self._idle:
+            box.conn.close()
+        self._idle = []
+        if self._zygote is not None:
+            self._zygote.abandon()
+
+
+def _encode_request(fn, args, kwargs):
+    try:
+        return transport.encode(transport.REQUEST, (fn, args, kwargs))
+    except (AttributeError, TypeError, ImportError, pickle.PicklingError) as exc:
+        raise TypeError(f"swift_safe_media.call needs a module-level function and picklable "
+                        f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        return "exit status unknown"
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {number} ({name})"
+    if os.WIFEXITED(status):
+        return f"exited with code {os.WEXITSTATUS(status)}"
+    return f"wait status {status}"
+
+
+def _rebuild_exception(exc, details, path, elapsed, pid):
+    if exc is None:
+        return MediaDecodeError(path, f"{details['type']}: {details['message']}\n{details['traceback']}",
+                                elapsed)
+    if isinstance(exc, MediaDecodeError):
+        exc = exc.with_context(path, elapsed)
+    exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{details['traceback']}\"\"\"")
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in swift_safe_media sandbox pid {pid}"
+                     + (f" while decoding {path}" if path is not None else ""))
+    return exc
+
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> Engine:
+    global _engine
+    engine = _engine
+    if engine is None:
+        with _engine_lock:
+            if _engine is None:
+                _engine = Engine()
+            engine = _engine
+    return engine
+
+
+def shutdown() -> None:
+    """Stop this process's sandboxes and zygote (also done at exit)."""
+    global _engine
+    with _engine_lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        engine.close()
+
+
+def _after_fork_in_child() -> None:
+    global _engine, _engine_lock
+    _engine_lock = threading.Lock()
+    if _engine is not None:
+        _engine.abandon()
+    _engine = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(shutdown)
