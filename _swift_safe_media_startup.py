@@ -49,6 +49,8 @@ def answer_stack_dumps() -> None:
     faulthandler.register(signal.SIGRTMIN + 7, file=sys.stderr, all_threads=True, chain=False)
 
 
+# The two settings read here are declared in swift_safe_media/config.py (STARTUP_HOOK,
+# INFLIGHT_DIR); they are read raw because this module must import nothing of the package.
 if os.environ.get("SWIFT_SAFE_MEDIA_STARTUP_HOOK", "1") != "0":
     try:
         install()

@@ -25,7 +25,8 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
-    os.environ[integrations.ENABLED] = "1"
+    config.validate()  # every setting: a bad value fails here, not inside a worker
+    config.put(config.ENABLED, True)
     _choose_stats_dir()
     integrations.enable_hosts(hosts)
     watchdog.install()
@@ -40,12 +41,10 @@ def _choose_stats_dir() -> None:
     folder chosen here follows the registry when it is set later (ms-swift's default
     registry is known only once its output directory is); one the user set stays."""
     global _chosen_stats_dir
-    from . import quarantine, summary
-
-    current = os.environ.get(summary.STATS_DIR)
+    current = config.get(config.STATS_DIR)
     if current and current != _chosen_stats_dir:
         return
-    registry = os.environ.get(quarantine.QUARANTINE, "").strip()
+    registry = config.get(config.QUARANTINE)
     if registry:
         wanted = os.path.join(os.path.dirname(os.path.abspath(registry)), "swift_safe_media_stats")
     elif current:
@@ -57,12 +56,13 @@ def _choose_stats_dir() -> None:
             os.rmdir(current)  # the temporary folder it replaces, if nothing was written there yet
         except OSError:
             pass
-    os.environ[summary.STATS_DIR] = _chosen_stats_dir = wanted
+    config.put(config.STATS_DIR, wanted)
+    _chosen_stats_dir = config.get(config.STATS_DIR)
 
 
 def disable() -> None:
     """Restore the hosts' own loaders here, and keep children from turning protection on."""
-    os.environ[integrations.ENABLED] = "0"
+    config.put(config.ENABLED, False)
     integrations.disable_hosts()
 
 
@@ -79,7 +79,7 @@ def on_host_imported(host: str) -> None:
     if register_flags is not None:
         for module_name in getattr(adapter, "FLAG_MODULES", ()):
             _imports.when_imported(module_name, lambda _module: register_flags())
-    if integrations.env_state():
+    if config.enabled_by_environment():
         if _starts_runs():
             enable(hosts=[host])  # the run's stats folder, the watchdog
         else:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 
-from .config import _number
+from . import config
+from .config import MAX_CONSECUTIVE_FAILURES, MAX_FAILURE_FRACTION
 
-MAX_CONSECUTIVE_FAILURES = "SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES"
-MAX_FAILURE_FRACTION = "SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION"
-
-DEFAULT_MAX_CONSECUTIVE = 100  # Megatron-Energon's default failure tolerance
-DEFAULT_MAX_FRACTION = 0.1
+DEFAULT_MAX_CONSECUTIVE = config.SETTINGS[MAX_CONSECUTIVE_FAILURES].default  # Megatron-Energon's default
+DEFAULT_MAX_FRACTION = config.SETTINGS[MAX_FAILURE_FRACTION].default
 # The fraction is judged only after this many samples: two failures in the first ten
 # samples say little about a dataset.
 MIN_SAMPLES_FOR_FRACTION = 100
@@ -36,11 +34,7 @@ class ErrorBudget:
 
     @classmethod
     def from_environment(cls) -> "ErrorBudget":
-        max_fraction = _number(MAX_FAILURE_FRACTION, DEFAULT_MAX_FRACTION, float, minimum=0.0)
-        if max_fraction > 1.0:
-            raise ValueError(f"{MAX_FAILURE_FRACTION}={max_fraction!r} must be at most 1")
-        return cls(_number(MAX_CONSECUTIVE_FAILURES, DEFAULT_MAX_CONSECUTIVE, int, minimum=0),
-                   max_fraction)
+        return cls(config.get(MAX_CONSECUTIVE_FAILURES), config.get(MAX_FAILURE_FRACTION))
 
     def success(self) -> None:
         self.samples += 1

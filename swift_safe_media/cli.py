@@ -33,7 +33,7 @@ def run_scan(args) -> int:
 
     if args.timeout is not None:
         config.write(timeout=args.timeout)
-    os.environ.pop(quarantine.QUARANTINE, None)  # a scan tries every file, quarantined or not
+    config.put(config.QUARANTINE, None)  # a scan tries every file, quarantined or not
     try:
         items = scan.collect(args.target)
     except (OSError, ValueError) as exc:

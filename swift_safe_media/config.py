@@ -1,50 +1,65 @@
-"""Settings. The environment is the single source of truth: flags write into it,
-so spawned DataLoader workers and sandboxes inherit the same values."""
+"""Settings: every ``SWIFT_SAFE_MEDIA*`` environment variable, declared once, read here.
+
+The environment is the single source of truth and the channel to child processes:
+flags and ``enable(...)`` write into it (:func:`write`), so spawned DataLoader workers,
+a host's child processes and the sandboxes inherit the same values. Every other
+module reads a setting through :func:`get` (or one of the accessors below), never
+``os.environ`` itself, and writes one through :func:`put` / :func:`write`.
+``enable()`` calls :func:`validate`, so a malformed value fails there, naming the
+variable, and not later inside a worker.
+
+Adding a setting is one entry in the registry below, next to its neighbours::
+
+    CONFINE = _declare("SWIFT_SAFE_MEDIA_CONFINE", SWITCH, True,
+                       "confine sandboxes (no network, no exec, no writes); false: off")
+
+then read it with ``config.get(config.CONFINE)`` and add its row to the README's
+settings table (``tests/test_settings.py`` checks that the two agree). Kinds:
+``FLOAT`` and ``INT`` (with ``minimum``, ``above`` or ``maximum``; an int may be
+written ``1e9``), ``CHOICE`` (``choices``, case-insensitive), ``SWITCH`` (true/false
+words, :data:`TRUE_WORDS` / :data:`FALSE_WORDS`), ``TEXT``, ``PATH`` (made absolute
+when written: children may change directory) and ``LIST`` (comma-separated). For
+numbers and choices an empty value means the default; for text, paths and lists only
+an unset variable does (``SWIFT_SAFE_MEDIA_QUARANTINE=`` turns the registry off).
+A ``default`` may be a function, called when the default is needed.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-TIMEOUT = "SWIFT_SAFE_MEDIA_TIMEOUT"
-MAX_MEMORY_MB = "SWIFT_SAFE_MEDIA_MAX_MEMORY_MB"
-THREADS = "SWIFT_SAFE_MEDIA_THREADS"
-PRELOAD = "SWIFT_SAFE_MEDIA_PRELOAD"
-SANDBOXES = "SWIFT_SAFE_MEDIA_SANDBOXES"
-START_TIMEOUT = "SWIFT_SAFE_MEDIA_START_TIMEOUT"
-MP_CONTEXT = "SWIFT_SAFE_MEDIA_MP_CONTEXT"
-STALL_TIMEOUT = "SWIFT_SAFE_MEDIA_STALL_TIMEOUT"
-STALL_ACTION = "SWIFT_SAFE_MEDIA_STALL_ACTION"
-QUARANTINE = "SWIFT_SAFE_MEDIA_QUARANTINE"  # set but empty: quarantine off
+FLOAT, INT, CHOICE, SWITCH, TEXT, PATH, LIST = "float", "int", "choice", "switch", "text", "path", "list"
 
-MP_CONTEXTS = ("spawn", "forkserver", "fork", "default")
-
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_START_TIMEOUT_S = 180.0
-DEFAULT_PRELOAD = "numpy,PIL.Image,torch,torchcodec.decoders,swift_safe_media.decoders"
-# Libraries that size thread pools from these variables at import time.
-THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                   "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "OPENCV_FOR_THREADS_NUM")
+# The true/false words of every switch and flag (``--safe_media true``, ``SWIFT_SAFE_MEDIA=1``).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def _number(name: str, default, kind=float, minimum=None):
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
-    return value
+@dataclass(frozen=True)
+class Setting:
+    name: str  # the environment variable
+    kind: str
+    default: object  # a value, or a function that returns it
+    doc: str  # one line, as in the README's table
+    minimum: float | None = None
+    above: float | None = None  # an exclusive lower bound
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    internal: bool = False  # set by the package for its children; users leave it alone
+
+    def default_value(self):
+        return self.default() if callable(self.default) else self.default
 
 
-def timeout() -> float:
-    return _number(TIMEOUT, DEFAULT_TIMEOUT_S, float, minimum=0.001)
+SETTINGS: dict[str, Setting] = {}
 
 
-def start_timeout() -> float:
-    return _number(START_TIMEOUT, DEFAULT_START_TIMEOUT_S, float, minimum=1.0)
+def _declare(name: str, kind: str, default, doc: str, **bounds) -> str:
+    if name in SETTINGS:
+        raise ValueError(f"setting {name} declared twice")
+    SETTINGS[name] = Setting(name, kind, default, doc, **bounds)
+    return name
 
 
 def default_max_memory_mb() -> int:
@@ -54,62 +69,209 @@ def default_max_memory_mb() -> int:
     return int(min(max(total_mb // 4, 2048), 32768))
 
 
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_START_TIMEOUT_S = 180.0
+DEFAULT_PRELOAD = "numpy,PIL.Image,torch,torchcodec.decoders,swift_safe_media.decoders"
+MP_CONTEXTS = ("spawn", "forkserver", "fork", "default")
+STALL_ACTIONS = ("log", "abort")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "NOTSET", "WARN", "FATAL")
+
+# -- the registry ---------------------------------------------------------------------
+# The switch.
+ENABLED = _declare("SWIFT_SAFE_MEDIA", SWITCH, None,
+                   "`1`: the start-up hook enables the host adapters in every process; `0`: forced off")
+STARTUP_HOOK = _declare("SWIFT_SAFE_MEDIA_STARTUP_HOOK", SWITCH, True,
+                        "`0`: the start-up hook (`swift_safe_media.pth`) does nothing at all")
+# The engine.
+TIMEOUT = _declare("SWIFT_SAFE_MEDIA_TIMEOUT", FLOAT, DEFAULT_TIMEOUT_S,
+                   "seconds a call may run before its sandbox is killed", minimum=0.001)
+MAX_MEMORY_MB = _declare("SWIFT_SAFE_MEDIA_MAX_MEMORY_MB", INT, default_max_memory_mb,
+                         "address space a sandbox may add; 0: no cap", minimum=0)
+THREADS = _declare("SWIFT_SAFE_MEDIA_THREADS", INT, 1,
+                   "thread pools in the sandbox (OpenMP, MKL, OpenBLAS, torch, OpenCV)", minimum=1)
+SANDBOXES = _declare("SWIFT_SAFE_MEDIA_SANDBOXES", INT, 1, "sandboxes per calling process", minimum=1)
+PRELOAD = _declare("SWIFT_SAFE_MEDIA_PRELOAD", LIST, DEFAULT_PRELOAD, "modules the zygote imports once")
+START_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_START_TIMEOUT", FLOAT, DEFAULT_START_TIMEOUT_S,
+                         "seconds the zygote may take to start", minimum=1.0)
+# DataLoader workers.
+MP_CONTEXT = _declare("SWIFT_SAFE_MEDIA_MP_CONTEXT", CHOICE, "spawn",
+                      "DataLoader worker start method (`default`: the host's own)", choices=MP_CONTEXTS)
+# Never silent: quarantine, watchdog, summary, error budget.
+QUARANTINE = _declare("SWIFT_SAFE_MEDIA_QUARANTINE", PATH, None,
+                      "quarantine registry (JSONL); unset or empty: off")
+STALL_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_STALL_TIMEOUT", FLOAT, 0.0,
+                         "seconds without a batch before the watchdog reports; 0: off", minimum=0.0)
+STALL_ACTION = _declare("SWIFT_SAFE_MEDIA_STALL_ACTION", CHOICE, "log",
+                        "`abort`: exit 75 after the report", choices=STALL_ACTIONS)
+STATS_DIR = _declare("SWIFT_SAFE_MEDIA_STATS_DIR", PATH, None,
+                     "per-process decode statistics for the run summary (next to the registry)",
+                     internal=True)
+INFLIGHT_DIR = _declare("SWIFT_SAFE_MEDIA_INFLIGHT_DIR", PATH, None,
+                        "what each process decodes now, for the stall watchdog", internal=True)
+SUMMARY_STEPS = _declare("SWIFT_SAFE_MEDIA_SUMMARY_STEPS", INT, 200,  # LeRobot's own log_freq default
+                         "batches between run summaries where the host counts batches (LeRobot); "
+                         "0: only at the end", minimum=0)
+MAX_CONSECUTIVE_FAILURES = _declare("SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES", INT, 100,
+                                    "error budget: consecutive failed samples; 0: no limit", minimum=0)
+MAX_FAILURE_FRACTION = _declare("SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION", FLOAT, 0.1,
+                                "error budget: failed share of samples, judged after 100",
+                                minimum=0.0, maximum=1.0)
+# Decoder caps.
+MAX_PIXELS = _declare("SWIFT_SAFE_MEDIA_MAX_PIXELS", INT, 1_000_000_000,  # 3 GB as RGB uint8: ~480 1080p frames
+                      "decoded pixels per call", above=0)
+MAX_AUDIO_SECONDS = _declare("SWIFT_SAFE_MEDIA_MAX_AUDIO_SECONDS", FLOAT, 4 * 3600.0,  # 0.9 GB mono at 16 kHz
+                             "decoded audio seconds per call", above=0)
+MAX_URL_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_URL_BYTES", INT, 1 << 30, "bytes one URL may download", above=0)
+# Logging.
+LOG_LEVEL = _declare("SWIFT_SAFE_MEDIA_LOG_LEVEL", CHOICE, "WARNING",
+                     "level of the package's own stderr log handler", choices=LOG_LEVELS)
+
+# Libraries that size thread pools from these variables at import time (not our settings).
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                   "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "OPENCV_FOR_THREADS_NUM")
+
+
+# -- reading --------------------------------------------------------------------------
+def parse(setting: Setting, raw: str | None):
+    """The value of ``setting`` given the variable's text (None: unset)."""
+    if setting.kind in (TEXT, PATH, LIST):
+        if raw is None:
+            raw = setting.default_value()
+            if raw is None:
+                return None
+        if setting.kind == LIST:
+            return [part.strip() for part in raw.split(",") if part.strip()]
+        return raw.strip() if setting.kind == PATH else raw
+    text = (raw or "").strip()
+    if not text:
+        return setting.default_value()
+    if setting.kind == SWITCH:
+        word = text.lower()
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            return word in TRUE_WORDS
+        raise ValueError(f"{setting.name}={raw!r}: expected true or false ({', '.join(TRUE_WORDS + FALSE_WORDS)})")
+    if setting.kind == CHOICE:
+        for choice in setting.choices:
+            if choice.lower() == text.lower():
+                return choice
+        raise ValueError(f"{setting.name}={text!r} must be one of {', '.join(setting.choices)}")
+    return _number(setting, text)
+
+
+def _number(setting: Setting, text: str):
+    kind = int if setting.kind == INT else float
+    try:
+        value = kind(text)
+    except ValueError:
+        try:
+            value = float(text)  # 1e9, 2.0
+        except ValueError:
+            value = None
+        if value is None or (kind is int and not value.is_integer()):
+            raise ValueError(f"{setting.name}={text!r} is not a valid {kind.__name__}") from None
+        value = kind(value)
+    if setting.minimum is not None and value < setting.minimum:
+        raise ValueError(f"{setting.name}={text!r} must be at least {setting.minimum}")
+    if setting.above is not None and value <= setting.above:
+        raise ValueError(f"{setting.name}={text!r} must be above {setting.above}")
+    if setting.maximum is not None and value > setting.maximum:
+        raise ValueError(f"{setting.name}={text!r} must be at most {setting.maximum}")
+    return value
+
+
+def get(name: str):
+    """The current value of setting ``name``, from the environment; ValueError if malformed."""
+    return parse(SETTINGS[name], os.environ.get(name))
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable is in the environment at all (set empty included)."""
+    return name in os.environ
+
+
+def validate() -> None:
+    """Raise ValueError naming the variable if any setting in the environment is malformed."""
+    for name in SETTINGS:
+        get(name)
+
+
+# -- writing --------------------------------------------------------------------------
+def put(name: str, value) -> None:
+    """Write setting ``name`` for this process and its children (None: remove it).
+
+    Checked first: a malformed value raises and leaves the environment as it was."""
+    setting = SETTINGS[name]
+    if value is None:
+        os.environ.pop(name, None)
+        return
+    if isinstance(value, bool):
+        value = "1" if value else "0"
+    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    if setting.kind == PATH and text:
+        text = os.path.abspath(os.path.expanduser(text))  # children may change directory
+    parse(setting, text)
+    os.environ[name] = text
+
+
+def write(**settings) -> None:
+    """Write the settings given (``timeout=5`` is ``SWIFT_SAFE_MEDIA_TIMEOUT``) over the
+    environment, skipping those that are None: flag > environment > default."""
+    for key, value in settings.items():
+        if value is not None:
+            put(_by_key(key), value)
+
+
+def _by_key(key: str) -> str:
+    name = f"SWIFT_SAFE_MEDIA_{key.upper()}"
+    if name not in SETTINGS:
+        raise TypeError(f"unknown setting {key!r}")
+    return name
+
+
+# -- accessors for the settings read most -----------------------------------------------
+def timeout() -> float:
+    return get(TIMEOUT)
+
+
+def start_timeout() -> float:
+    return get(START_TIMEOUT)
+
+
 def max_memory_mb() -> int:
     """Address space a sandbox may add above its preloaded baseline; 0 means no cap."""
-    if not os.environ.get(MAX_MEMORY_MB, "").strip():
-        return default_max_memory_mb()
-    return _number(MAX_MEMORY_MB, 0, int, minimum=0)
+    return get(MAX_MEMORY_MB)
 
 
 def decoder_threads() -> int:
-    return _number(THREADS, 1, int, minimum=1)
+    return get(THREADS)
 
 
 def max_sandboxes() -> int:
-    return _number(SANDBOXES, 1, int, minimum=1)
+    return get(SANDBOXES)
 
 
 def preload_modules() -> list[str]:
-    raw = os.environ.get(PRELOAD, DEFAULT_PRELOAD)
-    return [name.strip() for name in raw.split(",") if name.strip()]
+    return get(PRELOAD)
 
 
 def mp_context() -> str:
     """Start method for DataLoader workers; "default" leaves the host's choice alone."""
-    value = os.environ.get(MP_CONTEXT, "").strip().lower() or "spawn"
-    if value not in MP_CONTEXTS:
-        raise ValueError(f"{MP_CONTEXT}={value!r} must be one of {', '.join(MP_CONTEXTS)}")
-    return value
-
-
-_WRITABLE = {"timeout": TIMEOUT, "max_memory_mb": MAX_MEMORY_MB, "mp_context": MP_CONTEXT,
-             "stall_timeout": STALL_TIMEOUT, "stall_action": STALL_ACTION, "quarantine": QUARANTINE}
-
-
-def write(**settings) -> None:
-    """Write settings given explicitly (flags, ``enable(...)``) over the environment."""
-    for key, value in settings.items():
-        if value is None:
-            continue
-        if key == "quarantine" and str(value):
-            value = os.path.abspath(os.path.expanduser(os.fspath(value)))  # workers may change directory
-        os.environ[_WRITABLE[key]] = str(value)
-    validate()
-
-
-def validate() -> None:
-    """Raise ValueError naming the variable if any setting is malformed."""
-    timeout(), max_memory_mb(), mp_context(), decoder_threads(), max_sandboxes()
-    stall_timeout(), stall_action()
+    return get(MP_CONTEXT)
 
 
 def stall_timeout() -> float:
     """Seconds without a batch before the watchdog reports; 0: off."""
-    return _number(STALL_TIMEOUT, 0.0, float, minimum=0.0)
+    return get(STALL_TIMEOUT)
 
 
 def stall_action() -> str:
-    action = os.environ.get(STALL_ACTION, "").strip().lower() or "log"
-    if action not in ("log", "abort"):
-        raise ValueError(f"{STALL_ACTION}={action!r} must be 'log' or 'abort'")
-    return action
+    return get(STALL_ACTION)
+
+
+def enabled_by_environment() -> bool | None:
+    """True/False when ``SWIFT_SAFE_MEDIA`` turns the package on/off, None when unset
+    (or not a true/false word: the start-up hook never breaks an interpreter)."""
+    try:
+        return get(ENABLED)
+    except ValueError:
+        return None

@@ -4,10 +4,9 @@ ERROR on every rank), so, like transformers, the package logger has its own stde
 handler and does not propagate. ``SWIFT_SAFE_MEDIA_LOG_LEVEL`` sets its level."""
 
 import logging
-import os
 import sys
 
-LOG_LEVEL = "SWIFT_SAFE_MEDIA_LOG_LEVEL"
+from . import config
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -28,6 +27,9 @@ def package_logger() -> logging.Logger:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-        level = os.environ.get(LOG_LEVEL, "").strip().upper() or "WARNING"
-        logger.setLevel(level if isinstance(logging.getLevelName(level), int) else "WARNING")
+        try:
+            level = config.get(config.LOG_LEVEL)
+        except ValueError:  # importing the package never fails; enable() names the bad value
+            level = "WARNING"
+        logger.setLevel(level)
     return logger

@@ -19,7 +19,8 @@ import os
 import socket
 import threading
 
-from .config import QUARANTINE
+from . import config
+from .config import QUARANTINE  # noqa: F401 (its name, where callers look)
 from .errors import MediaQuarantined
 
 log = logging.getLogger("swift_safe_media")
@@ -119,7 +120,7 @@ _registries_lock = threading.Lock()
 
 def current() -> Registry | None:
     """The registry named by the environment, or None when quarantine is off."""
-    registry_path = os.environ.get(QUARANTINE, "").strip()
+    registry_path = config.get(QUARANTINE)
     if not registry_path:
         return None
     with _registries_lock:

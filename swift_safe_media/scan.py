@@ -190,7 +190,7 @@ def _scan_one(item: Item) -> Problem | None:
 
 def scan(items: list[Item], workers: int, progress=None) -> tuple[list[Problem], float]:
     """Decode all items with ``workers`` sandboxes; returns the problems and the wall time."""
-    os.environ[config.SANDBOXES] = str(max(workers, config.max_sandboxes()))
+    config.put(config.SANDBOXES, max(workers, config.max_sandboxes()))
     problems, started = [], time.monotonic()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_scan_one, item) for item in items]

@@ -20,11 +20,11 @@ import random
 import threading
 import time
 
-from .config import QUARANTINE, _number
+from . import config
+from .config import STATS_DIR, SUMMARY_STEPS  # noqa: F401 (their names, where callers look)
 
 log = logging.getLogger("swift_safe_media")
 
-STATS_DIR = "SWIFT_SAFE_MEDIA_STATS_DIR"
 OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error")
 _SAMPLE_SIZE = 4096  # latencies kept per process (reservoir), enough for p99
 _SLOWEST = 10
@@ -104,7 +104,7 @@ _recorders: dict[tuple[int, str], Recorder] = {}
 
 def recorder() -> Recorder | None:
     """This process's recorder for the run, or None when no stats folder is set."""
-    directory = os.environ.get(STATS_DIR)
+    directory = config.get(STATS_DIR)
     if not directory:
         return None
     key = (os.getpid(), directory)  # a forked child starts its own file
@@ -142,7 +142,7 @@ def _percentile(values: list[float], fraction: float) -> float | None:
 def collect(directory: str | None = None) -> dict:
     """Merge every process's stats in the run's folder."""
     flush()
-    directory = directory or os.environ.get(STATS_DIR)
+    directory = directory or config.get(STATS_DIR)
     counts, latencies, slowest, processes, steps = dict.fromkeys(OUTCOMES, 0), [], [], 0, {}
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         if not (name.startswith("stats-") and name.endswith(".json")):
@@ -191,19 +191,18 @@ def write_summary(path: str, step=None) -> dict:
     return summary
 
 
-SUMMARY_STEPS = "SWIFT_SAFE_MEDIA_SUMMARY_STEPS"
 SUMMARY_FILE = "safe_media_summary.json"
 
 
 def summary_steps() -> int:
     """Batches between summaries in hosts that count batches themselves (LeRobot); 0: only at the end."""
-    return _number(SUMMARY_STEPS, 200, int, minimum=0)  # LeRobot's own log_freq default
+    return config.get(SUMMARY_STEPS)
 
 
 def summary_path() -> str | None:
     """Where the JSON summary goes: next to the quarantine registry, else into the stats folder."""
-    registry = os.environ.get(QUARANTINE, "").strip()
-    folder = os.path.dirname(os.path.abspath(registry)) if registry else os.environ.get(STATS_DIR)
+    registry = config.get(config.QUARANTINE)
+    folder = os.path.dirname(os.path.abspath(registry)) if registry else config.get(STATS_DIR)
     return os.path.join(folder, SUMMARY_FILE) if folder else None
 
 

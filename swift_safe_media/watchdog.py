@@ -22,10 +22,10 @@ import time
 import weakref
 
 from . import config
+from .config import INFLIGHT_DIR  # set by the watchdog; workers inherit it
 
 log = logging.getLogger("swift_safe_media")
 
-INFLIGHT_DIR = "SWIFT_SAFE_MEDIA_INFLIGHT_DIR"  # set by the watchdog; workers inherit it
 STALL_EXIT_CODE = 75
 # SIGUSR1/2 are often taken (SLURM requeue handlers); a real-time signal is not.
 DUMP_SIGNAL = signal.SIGRTMIN + 7  # also named in _swift_safe_media_startup.answer_stack_dumps
@@ -65,7 +65,7 @@ class InFlight:
 
 
 def in_flight() -> InFlight | None:
-    directory = os.environ.get(INFLIGHT_DIR)
+    directory = config.get(INFLIGHT_DIR)
     return InFlight(directory) if directory and os.path.isdir(directory) else None
 
 
@@ -152,7 +152,7 @@ class Watchdog:
         self.iterating = 0
         self.fired = False
         self.inflight_dir = tempfile.mkdtemp(prefix="swift-safe-media-inflight-")
-        os.environ[INFLIGHT_DIR] = self.inflight_dir
+        config.put(INFLIGHT_DIR, self.inflight_dir)
         answer_stack_dumps()  # forked workers inherit the handler; spawned ones get it from the .pth
         self._thread = threading.Thread(target=self._watch, name="swift-safe-media-watchdog", daemon=True)
         self._thread.start()

@@ -11,44 +11,23 @@ import os
 import stat
 from dataclasses import dataclass
 
+from .. import config
+from ..config import MAX_AUDIO_SECONDS, MAX_PIXELS, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 
-MAX_PIXELS = "SWIFT_SAFE_MEDIA_MAX_PIXELS"
-MAX_AUDIO_SECONDS = "SWIFT_SAFE_MEDIA_MAX_AUDIO_SECONDS"
-MAX_URL_BYTES = "SWIFT_SAFE_MEDIA_MAX_URL_BYTES"
-
-DEFAULT_MAX_PIXELS = 1_000_000_000          # 3 GB as RGB uint8: ~480 frames of 1080p
-DEFAULT_MAX_AUDIO_SECONDS = 4 * 3600.0      # 4 h mono float32 at 16 kHz is ~0.9 GB
-DEFAULT_MAX_URL_BYTES = 1 << 30
-
 HEAD_BYTES = 64
-
-
-def _env_number(name: str, default, kind):
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = kind(float(raw))
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
 
 
 @dataclass(frozen=True)
 class Limits:
     """Caps for one loader call. Read in the caller, so a changed environment applies at once."""
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS
-    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+    max_pixels: int = config.SETTINGS[MAX_PIXELS].default
+    max_audio_seconds: float = config.SETTINGS[MAX_AUDIO_SECONDS].default
+    max_url_bytes: int = config.SETTINGS[MAX_URL_BYTES].default
 
     @classmethod
     def from_env(cls) -> "Limits":
-        return cls(_env_number(MAX_PIXELS, DEFAULT_MAX_PIXELS, int),
-                   _env_number(MAX_AUDIO_SECONDS, DEFAULT_MAX_AUDIO_SECONDS, float),
-                   _env_number(MAX_URL_BYTES, DEFAULT_MAX_URL_BYTES, int))
+        return cls(config.get(MAX_PIXELS), config.get(MAX_AUDIO_SECONDS), config.get(MAX_URL_BYTES))
 
 
 def check_pixels(label, frames: int, height: int, width: int, limits: Limits) -> None:

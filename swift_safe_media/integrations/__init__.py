@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 import re
 
+from .. import config
 from . import _imports
 
 log = logging.getLogger("swift_safe_media")
@@ -30,9 +30,7 @@ ADAPTERS = {
     "lerobot": "swift_safe_media.integrations.lerobot",
 }
 
-ENABLED = "SWIFT_SAFE_MEDIA"
-_OFF = ("0", "false", "off", "no")
-_ON = ("1", "true", "on", "yes")
+ENABLED = config.ENABLED
 
 _enabled_hosts: set[str] = set()
 _warned: set[str] = set()
@@ -40,8 +38,7 @@ _warned: set[str] = set()
 
 def env_state() -> bool | None:
     """True/False when ``SWIFT_SAFE_MEDIA`` turns the package on/off, None when unset."""
-    raw = os.environ.get(ENABLED, "").strip().lower()
-    return True if raw in _ON else False if raw in _OFF else None
+    return config.enabled_by_environment()
 
 
 def parse_version(text: str | None) -> tuple[int, ...]:
