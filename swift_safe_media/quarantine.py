@@ -1,21 +1,33 @@
 """Quarantine registry: a file that timed out, crashed its sandbox or failed to decode
 is recorded once, and later calls for the same unchanged file are refused at once, in
-every worker, rank and restart that shares the registry.
+every worker, rank, node and restart that shares the registry.
 
-The registry is an append-only JSON Lines file (``SWIFT_SAFE_MEDIA_QUARANTINE``). Each
-record is appended with one ``write`` under an exclusive ``flock``, so concurrent
-writers on one host, or on nodes sharing a filesystem that honours locks, never
-interleave; a torn last line (a writer killed mid-write) is skipped on read. A registry
-that cannot be written (disk full, read-only) is reported once and training goes on.
+Layout, for a configured path ``DIR/quarantine.jsonl`` (``SWIFT_SAFE_MEDIA_QUARANTINE``):
+
+- ``DIR/quarantine.jsonl.d/`` is the registry folder. Each writer (one process on one
+  host) appends JSON Lines to its own file there, ``<host>-rank<RANK>-pid<PID>-<random>.jsonl``,
+  created at its first record. One writer per file means no cross-process lock at all,
+  so it works where ``flock`` is refused or unreliable (Lustre without ``-o flock``, NFS
+  without lockd) and a frozen writer holds nobody up. The random part keeps apart two
+  processes that share a hostname and a pid (containers with host networking).
+- ``DIR/quarantine.jsonl`` itself, the single file older versions wrote under ``flock``,
+  is still read (never written), so an old registry keeps refusing what it recorded.
+
+Readers take the union of all these files, reading only what each has grown by since
+the last look. A torn last line (a writer killed mid-write) is skipped; a file that is
+replaced or shrinks is read again from the start, and bytes that are not there yet (a
+short read, or NULs where another node's write is not visible yet) are read again at
+the next look. A registry that cannot be written (disk full, read-only) is reported
+once and training goes on.
 """
 
 from __future__ import annotations
 
 import datetime
-import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import threading
 
@@ -24,6 +36,9 @@ from .config import QUARANTINE  # noqa: F401 (its name, where callers look)
 from .errors import MediaQuarantined
 
 log = logging.getLogger("swift_safe_media")
+
+WRITERS_FOLDER_SUFFIX = ".d"
+_UNSEEN_RETRIES = 3  # looks at bytes that are not visible yet before they count as torn
 
 
 def _identity(path: str):
@@ -36,32 +51,104 @@ def _identity(path: str):
     return real, status.st_size, status.st_mtime_ns
 
 
+def writers_folder(registry_path: str) -> str:
+    """The folder of per-writer files for a configured registry path."""
+    return os.fspath(registry_path) + WRITERS_FOLDER_SUFFIX
+
+
+def registry_files(registry_path: str) -> list[str]:
+    """Every file a reader takes the union of: the single-file form, then each writer's."""
+    registry_path = os.fspath(registry_path)
+    folder = writers_folder(registry_path)
+    try:
+        names = sorted(name for name in os.listdir(folder) if name.endswith(".jsonl"))
+    except OSError:
+        names = []
+    return [registry_path] + [os.path.join(folder, name) for name in names]
+
+
+def entries(registry_path: str) -> list[dict]:
+    """Every complete record of a registry, duplicates included, file by file (for tools and tests)."""
+    found = []
+    for path in registry_files(registry_path):
+        try:
+            with open(path, "rb") as registry:
+                data = registry.read()
+        except OSError:
+            continue
+        for line in data[:data.rfind(b"\n") + 1].splitlines():
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                continue  # torn
+    return found
+
+
+class _Source:
+    """How far one registry file has been read."""
+
+    def __init__(self, file_id):
+        self.file_id, self.offset, self.unseen_looks = file_id, 0, 0
+
+
+def _host_label() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64] or "host"
+
+
 class Registry:
     def __init__(self, registry_path: str):
-        self.registry_path = registry_path
+        self.registry_path = os.fspath(registry_path)
+        self.folder = writers_folder(self.registry_path)
         self._entries: dict[tuple, dict] = {}
-        self._read_up_to = 0
+        self._sources: dict[str, _Source] = {}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._writer: tuple[int, str] | None = None  # (pid, file): a forked child gets its own
         self._write_failed = False
 
+    # -- reading ------------------------------------------------------------------
     def _refresh(self) -> None:
+        for path in registry_files(self.registry_path):
+            self._read_new(path)
+
+    def _read_new(self, path: str) -> None:
         try:
-            size = os.path.getsize(self.registry_path)
+            status = os.stat(path)
         except OSError:
             return
-        if size <= self._read_up_to:
+        file_id = (status.st_dev, status.st_ino)
+        source = self._sources.get(path)
+        if source is None or source.file_id != file_id or status.st_size < source.offset:
+            source = self._sources[path] = _Source(file_id)  # new, replaced or cut: from the start
+        want = status.st_size - source.offset
+        if want <= 0:
             return
-        with open(self.registry_path, "rb") as registry:
-            registry.seek(self._read_up_to)
-            data = registry.read(size - self._read_up_to)
-        complete = data.rfind(b"\n") + 1  # a line still being written waits for the next read
-        for line in data[:complete].splitlines():
-            try:
-                entry = json.loads(line)
-                self._entries[(entry["path"], entry["size"], entry["mtime_ns"])] = entry
-            except (ValueError, KeyError, TypeError):
-                continue  # torn by a writer that died mid-line
-        self._read_up_to += complete
+        try:
+            with open(path, "rb") as registry:
+                registry.seek(source.offset)
+                data = registry.read(want)
+        except OSError:
+            return
+        complete = data.rfind(b"\n") + 1  # a line still being written waits for the next look
+        lines = data[:complete].split(b"\n")[:-1]
+        consumed = 0
+        for line in lines:
+            if b"\0" in line and source.unseen_looks < _UNSEEN_RETRIES:
+                # Another node's write is not visible here yet (a hole reads as NULs): look again.
+                source.unseen_looks += 1
+                break
+            source.unseen_looks = 0
+            consumed += len(line) + 1
+            self._add(line)
+        source.offset += consumed
+
+    def _add(self, line: bytes) -> None:
+        try:
+            entry = json.loads(line)
+            key = (entry["path"], entry["size"], entry["mtime_ns"])
+        except (ValueError, KeyError, TypeError):
+            return  # torn by a writer that died mid-line
+        self._entries[key] = entry
 
     def lookup(self, path: str) -> dict | None:
         identity = _identity(path)
@@ -79,6 +166,15 @@ class Registry:
                                          f"(recorded {entry['time']} on {entry['host']}, rank {entry['rank']}): "
                                          f"{entry['reason']}")
 
+    # -- writing ------------------------------------------------------------------
+    def writer_file(self) -> str:
+        """This process's own file in the registry folder."""
+        pid = os.getpid()
+        if self._writer is None or self._writer[0] != pid:
+            name = f"{_host_label()}-rank{int(os.environ.get('RANK', 0))}-pid{pid}-{os.urandom(4).hex()}.jsonl"
+            self._writer = (pid, os.path.join(self.folder, name))
+        return self._writer[1]
+
     def record(self, path: str, kind: str, reason: str, elapsed: float | None) -> None:
         identity = _identity(path)
         if identity is None:
@@ -90,18 +186,8 @@ class Registry:
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode()
         try:
-            directory = os.path.dirname(os.path.abspath(self.registry_path))
-            os.makedirs(directory, exist_ok=True)
-            descriptor = os.open(self.registry_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX)
-                end = os.fstat(descriptor).st_size
-                if end and os.pread(descriptor, 1, end - 1) != b"\n":
-                    line = b"\n" + line  # a writer died mid-line: keep its torn bytes apart
-                if os.write(descriptor, line) != len(line):
-                    raise OSError("short write")
-            finally:
-                os.close(descriptor)  # releases the lock
+            with self._write_lock:  # threads of this process share its file
+                self._append(line)
         except OSError as exc:
             if not self._write_failed:
                 self._write_failed = True
@@ -112,6 +198,19 @@ class Registry:
             self._entries[(real, size, mtime_ns)] = entry
         log.warning("swift_safe_media: quarantined %s after %s %s: %s", path,
                     "an" if kind[0] in "aeiou" else "a", kind, reason)
+
+    def _append(self, line: bytes) -> None:
+        """One ``write`` in O_APPEND mode to a file no other process writes: no lock needed."""
+        os.makedirs(self.folder, exist_ok=True)
+        descriptor = os.open(self.writer_file(), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.fstat(descriptor).st_size
+            if end and os.pread(descriptor, 1, end - 1) != b"\n":
+                line = b"\n" + line  # an earlier write of ours was cut short: keep it apart
+            if os.write(descriptor, line) != len(line):
+                raise OSError("short write")
+        finally:
+            os.close(descriptor)
 
 
 _registries: dict[str, Registry] = {}

@@ -199,7 +199,9 @@ def run_folder(output_dir: str) -> Path:
 
 
 def registry_entries(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    from swift_safe_media import quarantine
+
+    return quarantine.entries(path)
 
 
 def summaries(log: str) -> list[dict]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from swift_safe_media import quarantine
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lerobot") is None,
                                 reason="LeRobot is not installed")
 
@@ -150,7 +152,7 @@ def test_training_loop_logs_the_run_summary_every_log_freq_batches_and_at_exit(d
     summary = json.loads((registry.parent / "safe_media_summary.json").read_text())
     assert summary["step"] == 12 and summary["ok"] > 0
     assert summary["timeout"] + summary["error"] + summary["quarantined"] >= 2, summary
-    recorded = {json.loads(line)["path"] for line in registry.read_text().splitlines()}
+    recorded = {entry["path"] for entry in quarantine.entries(registry)}
     assert str(video_file(datasets["hostile"], HANGING_EPISODE).resolve()) in recorded
 
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from swift_safe_media import quarantine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,7 +72,7 @@ def test_scan_finds_exactly_the_planted_bad_files(corpus, tmp_path):
     assert all(problem["elapsed"] < 10 for problem in summary["problems"]), "nothing may block"
     for name in bad:
         assert name in done.stdout  # the table names every bad file
-    recorded = {os.path.basename(json.loads(line)["path"]) for line in registry.read_text().splitlines()}
+    recorded = {os.path.basename(entry["path"]) for entry in quarantine.entries(registry)}
     assert recorded == set(bad)
     assert "items/s" in done.stderr or "items/s" in done.stdout
 
