@@ -17,12 +17,17 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     scan = commands.add_parser("scan", help="decode every media item of a dataset and report the bad ones")
     scan.add_argument("target", help="ms-swift dataset file (.jsonl/.json/.csv), LeRobot dataset root, or directory")
-    scan.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="parallel sandboxes")
+    scan.add_argument("--workers", type=int, default=None,
+                      help="parallel sandboxes (default: half the CPUs here; with --ray, every CPU of the cluster)")
     scan.add_argument("--timeout", type=float, default=None,
                       help=f"seconds per item (default: {config.TIMEOUT} or {config.DEFAULT_TIMEOUT_S:g})")
     scan.add_argument("--report", help="write the JSON report here")
     scan.add_argument("--quarantine", help="record every problem in this quarantine registry (JSONL)")
     scan.add_argument("--no-progress", action="store_true", help="no progress bar")
+    scan.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                      help="decode on a Ray cluster: ADDRESS ('auto', 'HOST:PORT', 'ray://HOST:10001'), "
+                           "else the one RAY_ADDRESS names, else a new local one (pip install "
+                           "'swift-safe-media[ray]')")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     return run_scan(args)
@@ -39,12 +44,37 @@ def run_scan(args) -> int:
     except (OSError, ValueError) as exc:
         print(f"swift-safe-media scan: {exc}", file=sys.stderr)
         return 2
-    print(f"scanning {len(items)} media items from {args.target} with {args.workers} workers", file=sys.stderr)
-    progress = None if args.no_progress or not items else scan.print_progress
-    problems, elapsed = scan.scan(items, args.workers, progress)
+    where = None
+    if args.ray is not None:
+        from . import scan_ray
+
+        try:
+            ray = scan_ray.connect(args.ray or None)
+        except (scan_ray.RayMissing, ConnectionError, RuntimeError) as exc:
+            print(f"swift-safe-media scan: {exc}", file=sys.stderr)
+            return 2
+        workers = args.workers or max(1, int(ray.cluster_resources().get("CPU", 1)))
+        print(f"scanning {len(items)} media items from {args.target} on a Ray cluster "
+              f"({scan_ray.alive_nodes(ray)} nodes) with {workers} workers", file=sys.stderr)
+    else:
+        workers = args.workers or max(1, (os.cpu_count() or 2) // 2)
+        print(f"scanning {len(items)} media items from {args.target} with {workers} workers", file=sys.stderr)
+    progress = None if args.no_progress or not items else scan.ProgressBar(len(items))
+    try:
+        if args.ray is not None:
+            problems, elapsed, where = scan_ray.scan_on_ray(items, args.ray or None, progress, parallelism=workers)
+        else:
+            problems, elapsed = scan.scan(items, workers, progress)
+    finally:
+        if progress is not None:
+            progress.close()
+        if args.ray is not None:
+            ray.shutdown()  # leaves a cluster it joined running; stops one it started
     shutdown()
     print(scan.format_table(problems))
-    summary = scan.report(items, problems, elapsed, args.workers, config.timeout())
+    summary = scan.report(items, problems, elapsed, workers, config.timeout())
+    if where is not None:
+        summary["ray"] = {"nodes": len(where["nodes"]), "items_per_node": sorted(where["nodes"].values())}
     print(f"\n{len(items)} scanned, {len(problems)} with problems, {elapsed:.1f} s "
           f"({summary['items_per_s'] or 0:.1f} items/s)")
     if args.report:

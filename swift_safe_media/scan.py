@@ -172,14 +172,16 @@ def decode_and_discard(item: Item) -> None:
     decode_item(item)
 
 
-def _scan_one(item: Item) -> Problem | None:
+def scan_one(item: Item, check=decode_and_discard) -> Problem | None:
+    """Check one item in this process's sandbox pool: None if it decodes, else its Problem.
+    ``check`` is a module-level function run in the sandbox on the item."""
     from . import call
 
     started = time.monotonic()
     reason = not_regular(item.path)
     if reason is None:
         try:
-            call(decode_and_discard, item, path=item.path)
+            call(check, item, path=item.path)
             return None
         except MediaDecodeError as exc:
             reason = f"{type(exc).__name__}: {exc.reason}"
@@ -188,12 +190,13 @@ def _scan_one(item: Item) -> Problem | None:
     return Problem(item.path, item.kind, reason, time.monotonic() - started)
 
 
-def scan(items: list[Item], workers: int, progress=None) -> tuple[list[Problem], float]:
-    """Decode all items with ``workers`` sandboxes; returns the problems and the wall time."""
+def scan(items: list[Item], workers: int, progress=None, check=decode_and_discard) -> tuple[list[Problem], float]:
+    """Decode all items with ``workers`` sandboxes; returns the problems and the wall time.
+    ``progress(done, total, problems, elapsed)`` is called as items finish."""
     config.put(config.SANDBOXES, max(workers, config.max_sandboxes()))
     problems, started = [], time.monotonic()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_scan_one, item) for item in items]
+        futures = [pool.submit(scan_one, item, check) for item in items]
         for done, future in enumerate(as_completed(futures), 1):
             problem = future.result()
             if problem is not None:
@@ -203,16 +206,23 @@ def scan(items: list[Item], workers: int, progress=None) -> tuple[list[Problem],
     return sorted(problems, key=lambda problem: problem.path), time.monotonic() - started
 
 
-def print_progress(done: int, total: int, problems: int, elapsed: float, stream=sys.stderr) -> None:
-    rate = done / elapsed if elapsed > 0 else 0.0
-    eta = (total - done) / rate if rate > 0 else 0.0
-    width = 30
-    filled = int(width * done / total) if total else width
-    stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {rate:.1f} items/s "
-                 f"ETA {eta:.0f} s  problems: {problems}")
-    if done == total:
-        stream.write("\n")
-    stream.flush()
+class ProgressBar:
+    """The scan's progress bar on stderr (tqdm): items done, rate, ETA, problems so far.
+    Called as ``progress(done, total, problems, elapsed)`` by local and Ray scans alike."""
+
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="item", file=stream or sys.stderr, dynamic_ncols=True,
+                        mininterval=0.2, smoothing=0.1)
+        self.bar.set_postfix_str("problems: 0", refresh=False)
+
+    def __call__(self, done: int, total: int, problems: int, elapsed: float) -> None:
+        self.bar.set_postfix_str(f"problems: {problems}", refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def format_table(problems: list[Problem]) -> str:
