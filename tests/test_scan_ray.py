@@ -1,0 +1,152 @@
+"""`swift-safe-media scan --ray` on real Ray clusters on this machine: one started with
+``ray.init()``, and three nodes of ``ray.cluster_utils.Cluster``. Every planted bad file
+is found exactly once, the results are those of a local scan, and an item that hangs
+(a FIFO behind a playlist, a native call spinning with the GIL held) or crashes its
+sandbox costs its timeout in one sandbox, never the job."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import swift_safe_media
+from swift_safe_media import quarantine, scan, scan_ray
+
+from . import scan_checks
+from .test_scan import corpus, run_scan  # noqa: F401  (the planted corpus and the CLI runner)
+
+ray = pytest.importorskip("ray")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = "5"
+# Small on a shared 2-core machine: our sandboxes do the work, not Ray's object store.
+SMALL = {"object_store_memory": 80 << 20, "include_dashboard": False}
+
+
+def comparable(problems):
+    """What must match between two scans: path, kind and reason (pids and times differ).
+    Takes report problems or registry entries (their reason is the problem)."""
+    return sorted((p["path"], p["kind"], re.sub(r"pid \d+", "pid N", p.get("problem", p.get("reason"))))
+                  for p in problems)
+
+
+def table_rows(stdout):
+    return sorted(re.sub(r"pid \d+", "pid N", line).rsplit("  ", 1)[0].rstrip()
+                  for line in stdout.split("\n\n")[0].splitlines()[2:])
+
+
+@pytest.fixture(scope="class")
+def local_cluster():
+    ray.init(num_cpus=2, log_to_driver=False, **SMALL)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.timeout(300)
+class TestOnThisMachine:
+    def test_the_same_report_as_a_local_scan(self, local_cluster, corpus, tmp_path):  # noqa: F811
+        folder, bad = corpus
+        outcomes = {}
+        for mode, flags in (("local", ["--workers", "2"]), ("ray", ["--ray", local_cluster])):
+            report, registry = tmp_path / f"{mode}.json", tmp_path / mode / "quarantine.jsonl"
+            done = run_scan(str(folder / "train.jsonl"), *flags, "--timeout", TIMEOUT,
+                            "--report", str(report), "--quarantine", str(registry))
+            assert done.returncode == 1, done.stderr
+            outcomes[mode] = done, json.loads(report.read_text()), quarantine.entries(str(registry))
+        (local, local_report, local_registry), (on_ray, ray_report, ray_registry) = outcomes["local"], outcomes["ray"]
+        assert {os.path.basename(p["path"]) for p in ray_report["problems"]} == set(bad)
+        assert comparable(ray_report["problems"]) == comparable(local_report["problems"])
+        assert ray_report["scanned"] == local_report["scanned"] == 10 and ray_report["problem_count"] == len(bad)
+        assert ray_report["ray"]["items_per_node"] == [10]
+        assert set(local_report) | {"ray"} == set(ray_report)
+        assert table_rows(on_ray.stdout) == table_rows(local.stdout)
+        assert comparable(ray_registry) == comparable(local_registry) and len(ray_registry) == len(bad)
+        # Bounded: the playlist's FIFO costs its timeout (an item's time may include its sandbox's start).
+        assert all(problem["elapsed"] < float(TIMEOUT) + 20 for problem in ray_report["problems"])
+        assert "on a Ray cluster (1 nodes)" in on_ray.stderr
+        assert f"10/10" in on_ray.stderr and f"problems: {len(bad)}" in on_ray.stderr  # the same progress bar
+        assert f"problems: {len(bad)}" in local.stderr
+
+
+def test_without_ray_the_flag_says_how_to_install_it(corpus):  # noqa: F811
+    folder, _ = corpus
+    program = ("import sys; sys.modules['ray'] = None  # as if Ray were not installed\n"
+               "from swift_safe_media.cli import main; sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", program, "scan", str(folder), "--ray"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "pip install 'swift-safe-media[ray]'" in done.stderr
+
+
+@pytest.fixture(scope="class")
+def three_nodes():
+    from ray.cluster_utils import Cluster
+
+    python_path = os.environ.get("PYTHONPATH")
+    # Ray's workers inherit the raylets' environment: let them import tests.scan_checks.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, python_path]))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **SMALL})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, object_store_memory=SMALL["object_store_memory"])
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if python_path is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = python_path
+
+
+@pytest.fixture
+def dataset(corpus, tmp_path, spin_library):  # noqa: F811
+    """24 good items and the corpus's bad ones, plus a native spin and a segfault."""
+    folder, bad = corpus
+    data = tmp_path / "data"
+    data.mkdir()
+    for copy in range(6):
+        for name in ("good.wav", "good.flac", "good.mp4", "good.png"):
+            shutil.copy(folder / name, data / f"{copy}-{name}")
+    for name in bad:
+        source = folder / name
+        if source.is_fifo():
+            os.mkfifo(data / name)
+        elif source.is_dir():
+            (data / name).mkdir()
+        else:
+            shutil.copy(source, data / name)
+    os.mkfifo(data / "seg0.ts")
+    (data / "spin.mp4").write_bytes(scan_checks.SPIN + spin_library.encode())
+    (data / "segv.wav").write_bytes(scan_checks.SEGV)
+    planted = set(bad) | {"seg0.ts", "spin.mp4", "segv.wav"}
+    return scan.collect(str(data)), planted
+
+
+@pytest.mark.timeout(300)
+class TestOnThreeNodes:
+    def test_split_across_nodes_found_once_as_locally(self, three_nodes, dataset, monkeypatch):
+        items, planted = dataset
+        monkeypatch.setenv("SWIFT_SAFE_MEDIA_TIMEOUT", TIMEOUT)  # the workers get the driver's settings
+        problems, _, where = scan_ray.scan_on_ray(
+            items, check=scan_checks.decode_or_fail_natively)
+        assert len(where["nodes"]) == 3 and sum(where["nodes"].values()) == len(items) == 24 + len(planted)
+        assert sorted(os.path.basename(problem.path) for problem in problems) == sorted(planted)
+        by_name = {os.path.basename(problem.path): problem for problem in problems}
+        assert "timeout" in by_name["spin.mp4"].problem and "MediaDecodeTimeout" in by_name["spin.mp4"].problem
+        assert "SIGSEGV" in by_name["segv.wav"].problem
+        assert all(problem.elapsed < float(TIMEOUT) + 20 for problem in problems)
+        try:
+            local, _ = scan.scan(items, 2, check=scan_checks.decode_or_fail_natively)
+        finally:
+            swift_safe_media.shutdown()
+        as_dicts = [{"path": p.path, "kind": p.kind, "problem": p.problem} for p in problems]
+        assert comparable(as_dicts) == comparable([{"path": p.path, "kind": p.kind, "problem": p.problem}
+                                                   for p in local])
