@@ -38,8 +38,8 @@ def local(items, workers) -> float:
     return len(items) / elapsed
 
 
-def on_ray(items, workers) -> float:
-    problems, elapsed, _ = scan_ray.scan_on_ray(items, parallelism=workers)
+def on_ray(items, workers, task_options=None) -> float:
+    problems, elapsed, _ = scan_ray.scan_on_ray(items, parallelism=workers, task_options=task_options)
     assert not problems, problems
     return len(items) / elapsed
 
@@ -70,28 +70,34 @@ def compare(items, workers, rounds) -> None:
 
 
 def scaling(items, max_nodes, rounds) -> None:
+    """One cluster of ``max_nodes`` one-CPU nodes; a round with k nodes sends its tasks to the
+    first k only (node i holds the custom resources "up_to_<k>" for every k > i), and the
+    node counts alternate round by round, so all see the same load."""
     from ray.cluster_utils import Cluster
 
-    rows = []
-    for nodes in range(1, max_nodes + 1):
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **SMALL})
-        try:
-            for _ in range(nodes - 1):
-                cluster.add_node(num_cpus=1, object_store_memory=SMALL["object_store_memory"])
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=False)
-            on_ray(items[:nodes * 4], nodes)  # warm
-            rates = [on_ray(items, nodes) for _ in range(rounds)]
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-        rows.append((nodes, rates))
-    base = statistics.median(rows[0][1])
+    def labels(index):
+        return {f"up_to_{k}": 1.0 for k in range(index + 1, max_nodes + 1)}
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": labels(0), **SMALL})
+    rates = {nodes: [] for nodes in range(1, max_nodes + 1)}
+    try:
+        for index in range(1, max_nodes):
+            cluster.add_node(num_cpus=1, resources=labels(index), object_store_memory=SMALL["object_store_memory"])
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        for nodes in rates:  # warm every node's Ray workers and sandboxes
+            on_ray(items[:nodes * 4], nodes, {"resources": {f"up_to_{nodes}": 0.01}})
+        for _ in range(rounds):
+            for nodes in rates:
+                rates[nodes].append(on_ray(items, nodes, {"resources": {f"up_to_{nodes}": 0.01}}))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
     print(f"\n## scan --ray with simulated nodes (1 CPU each) on this {os.cpu_count()}-CPU machine, "
-          f"{len(items)} items, median (min-max) of {rounds} rounds")
-    print("| nodes | items/s | vs 1 node |\n|---|---|---|")
-    for nodes, rates in rows:
-        print(f"| {nodes} | {spread(rates)} | {statistics.median(rates) / base:.2f}x |")
+          f"{len(items)} items, median (min-max) of {rounds} alternating rounds")
+    print("| nodes | items/s | vs 1 node, per round |\n|---|---|---|")
+    for nodes, values in rates.items():
+        print(f"| {nodes} | {spread(values)} | {spread([v / one for v, one in zip(values, rates[1])])}x |")
 
 
 def main():
@@ -106,7 +112,7 @@ def main():
         items = load_corpus_maker()(Path(folder), args.clips)
         compare(items, args.workers, args.rounds)
         if args.scaling:
-            scaling(items, args.max_nodes, max(2, args.rounds // 2))
+            scaling(items, args.max_nodes, args.rounds)
 
 
 if __name__ == "__main__":

@@ -74,13 +74,15 @@ def scan_items(chunk: list[tuple[int, scan.Item]], settings: dict, check) -> tup
 
 
 def scan_on_ray(items: list[scan.Item], address: str | None = None, progress=None, check=scan.decode_and_discard,
-         parallelism: int | None = None) -> tuple[list[scan.Problem], float, dict]:
+         parallelism: int | None = None, task_options: dict | None = None
+         ) -> tuple[list[scan.Problem], float, dict]:
     """Check all items on the Ray cluster; returns the problems (sorted, as a local scan's),
-    the wall time, and where the work ran: ``{"parallelism": N, "nodes": {node id: items}}``."""
+    the wall time, and where the work ran: ``{"parallelism": N, "nodes": {node id: items}}``.
+    ``task_options`` go to Ray's ``.options()`` of every task (custom ``resources``, say)."""
     ray = connect(address)
     started = time.monotonic()
     parallelism = parallelism or max(1, int(ray.cluster_resources().get("CPU", 1)))
-    remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(scan_items)
+    remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(scan_items).options(**(task_options or {}))
     settings = _settings()
     # Absolute paths on the workers (their working directory is not ours); reports keep the given ones.
     chunks = [[(index, scan.Item(os.path.abspath(item.path) if "://" not in item.path else item.path, item.kind))
