@@ -73,15 +73,19 @@ def scan_items(chunk: list[tuple[int, scan.Item]], settings: dict, check) -> tup
     return ray.get_runtime_context().get_node_id(), results
 
 
-def scan_on_ray(items: list[scan.Item], address: str | None = None, progress=None, check=scan.decode_and_discard,
-         parallelism: int | None = None, task_options: dict | None = None
-         ) -> tuple[list[scan.Problem], float, dict]:
+def scan_on_ray(items: list[scan.Item], address: str | None = None, progress=None,
+                check=scan.decode_and_discard, parallelism: int | None = None, task_options: dict | None = None
+                ) -> tuple[list[scan.Problem], float, dict]:
     """Check all items on the Ray cluster; returns the problems (sorted, as a local scan's),
     the wall time, and where the work ran: ``{"parallelism": N, "nodes": {node id: items}}``.
+    ``parallelism``: at most this many tasks at once (default: every CPU of the cluster).
     ``task_options`` go to Ray's ``.options()`` of every task (custom ``resources``, say)."""
     ray = connect(address)
     started = time.monotonic()
-    parallelism = parallelism or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    parallelism = parallelism or cpus
+    # A queued task per CPU keeps every CPU busy; a cap below the cluster's CPUs is exact.
+    in_flight = parallelism * TASKS_IN_FLIGHT_PER_CPU if parallelism >= cpus else parallelism
     remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(scan_items).options(**(task_options or {}))
     settings = _settings()
     # Absolute paths on the workers (their working directory is not ours); reports keep the given ones.
@@ -93,7 +97,7 @@ def scan_on_ray(items: list[scan.Item], address: str | None = None, progress=Non
     problems: list[scan.Problem] = []
     pending, next_chunk, done = {}, 0, 0
     while next_chunk < len(chunks) or pending:
-        while next_chunk < len(chunks) and len(pending) < parallelism * TASKS_IN_FLIGHT_PER_CPU:
+        while next_chunk < len(chunks) and len(pending) < in_flight:
             pending[remote.remote(chunks[next_chunk], settings, check)] = next_chunk
             next_chunk += 1
         [finished], _ = ray.wait(list(pending), num_returns=1)
