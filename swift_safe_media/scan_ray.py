@@ -58,8 +58,9 @@ def connect(address: str | None):
 
 
 def _settings() -> dict:
-    """What the driver's settings are (the environment is their channel), for the workers."""
-    return {name: value for name, value in os.environ.items() if name.startswith("SWIFT_SAFE_MEDIA_")}
+    """The driver's settings as set (raw text, the environment being their channel), for
+    the workers: they run in processes Ray started, not children of the driver."""
+    return {name: os.environ[name] for name in config.SETTINGS if config.is_set(name)}
 
 
 def scan_items(chunk: list[tuple[int, scan.Item]], settings: dict, check) -> tuple[str, list]:
@@ -67,8 +68,9 @@ def scan_items(chunk: list[tuple[int, scan.Item]], settings: dict, check) -> tup
     Returns the node it ran on and ``(index, problem or None)`` for each item."""
     import ray
 
-    os.environ.update(settings)
-    os.environ.pop(config.QUARANTINE, None)  # a scan tries every file, quarantined or not
+    for name, text in settings.items():
+        config.put(name, text)
+    config.put(config.QUARANTINE, None)  # a scan tries every file, quarantined or not
     results = [(index, scan.scan_one(item, check)) for index, item in chunk]
     return ray.get_runtime_context().get_node_id(), results
 
