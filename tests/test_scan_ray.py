@@ -69,7 +69,7 @@ class TestOnThisMachine:
         # Bounded: the playlist's FIFO costs its timeout (an item's time may include its sandbox's start).
         assert all(problem["elapsed"] < float(TIMEOUT) + 20 for problem in ray_report["problems"])
         assert "on a Ray cluster (1 nodes)" in on_ray.stderr
-        assert f"10/10" in on_ray.stderr and f"problems: {len(bad)}" in on_ray.stderr  # the same progress bar
+        assert "10/10" in on_ray.stderr and f"problems: {len(bad)}" in on_ray.stderr  # the same progress bar
         assert f"problems: {len(bad)}" in local.stderr
 
 
