@@ -23,7 +23,7 @@ import socket
 import sys
 import traceback
 
-from . import config, transport
+from . import config, errors, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -145,8 +145,7 @@ def run_each(fn, arguments):
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or (
-        isinstance(exc, OSError) and exc.errno == 12)
+    return errors.is_out_of_memory(exc)
 
 
 def _reply_error(conn, exc: BaseException, memory_cap_mb: int) -> None:

@@ -322,6 +322,32 @@ class MappedBlocks:
         return memoryview(lend).cast("B")
 
 
+_MADV_REMOVE = 9
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(array) -> None:
+    """Free the memory behind part of a received array that the caller has copied and
+    will not read again (PIL frames made from decoded ones, say), so the caller never
+    holds both. Only whole pages inside the array go: they are punched out of the shared
+    memfd (MADV_REMOVE; reading them again gives zeros). Memory that is not a shared
+    mapping refuses the advice, and is left as it is."""
+    start = array.__array_interface__["data"][0]
+    first = -(-start // _PAGE) * _PAGE
+    last = (start + array.nbytes) // _PAGE * _PAGE
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_REMOVE)
+
+
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
 def receive_exactly(sock, size: int, deadline=None) -> bytearray:
     data = bytearray(size)
     view, got = memoryview(data), 0
