@@ -322,6 +322,28 @@ class MappedBlocks:
         return memoryview(lend).cast("B")
 
 
+def payload_bytes(obj, depth: int = 0) -> int:
+    """Bytes of array data in `obj` (numpy arrays, tensors, PIL images, bytes), looking
+    into lists, tuples, dicts and dataclass-like objects: the size of a result, for errors."""
+    if depth > 8:
+        return 0
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return len(obj)
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    module = type(obj).__module__
+    if module.startswith("torch") and hasattr(obj, "element_size"):
+        return obj.element_size() * obj.nelement()
+    if module.startswith("PIL.") and hasattr(obj, "size") and hasattr(obj, "getbands"):
+        return obj.size[0] * obj.size[1] * len(obj.getbands())
+    if isinstance(obj, dict):
+        return sum(payload_bytes(value, depth + 1) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(value, depth + 1) for value in obj)
+    return 0
+
+
 _MADV_REMOVE = 9
 _PAGE = mmap.PAGESIZE
 
