@@ -24,6 +24,7 @@ ever refuses a file whose own index says it is incomplete.
 
 from __future__ import annotations
 
+import os
 import struct
 
 from ..errors import MediaDecodeError
@@ -51,7 +52,6 @@ class Reader:
             return b""
         if self.data is not None:
             return self.data[offset:offset + length]
-        import os
         return os.pread(self.fd, length, offset)
 
 
