@@ -122,6 +122,13 @@ MAX_PIXELS = _declare("SWIFT_SAFE_MEDIA_MAX_PIXELS", INT, 1_000_000_000,  # 3 GB
 MAX_AUDIO_SECONDS = _declare("SWIFT_SAFE_MEDIA_MAX_AUDIO_SECONDS", FLOAT, 4 * 3600.0,  # 0.9 GB mono at 16 kHz
                              "decoded audio seconds per call", above=0)
 MAX_URL_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_URL_BYTES", INT, 1 << 30, "bytes one URL may download", above=0)
+# What one loader call may hand its caller, counted as the caller holds it. At least what
+# the pixel cap admits as RGB uint8 (1e9 pixels, 2.8 GiB) and the largest tensor Qwen's
+# fetch_video makes with its default budget (128k tokens of float32 frames, 2.0 GiB); it
+# bounds everything else a call returns (PIL copies, upscaled float frames, audio).
+MAX_RESULT_MB = _declare("SWIFT_SAFE_MEDIA_MAX_RESULT_MB", INT, 3072,
+                         "bytes one loader call may hand its caller, as the caller holds them (PIL, float frames)",
+                         above=0)
 # Logging.
 LOG_LEVEL = _declare("SWIFT_SAFE_MEDIA_LOG_LEVEL", CHOICE, "WARNING",
                      "level of the package's own stderr log handler", choices=LOG_LEVELS)

@@ -37,3 +37,26 @@ class MediaDecodeCrash(MediaDecodeError):
 
 class MediaQuarantined(MediaDecodeError):
     """The file failed before and has not changed since, so it is refused at once."""
+
+
+# How allocation failures read when they do not arrive as MemoryError: C++ allocators
+# under RLIMIT_AS ("can't allocate memory", bad_alloc), OSError errno 12, and torch's
+# stable ABI, which torchcodec calls through and which hides the reason of a failed
+# aten::empty (its only way to fail on valid sizes is an allocation).
+_OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "cannot allocate memory", "std::bad_alloc", "out of memory",
+                        'torch_call_dispatcher( "aten::empty"', 'torch_call_dispatcher("aten::empty"')
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc`, or an exception it was raised from, is an allocation failure."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == 12):
+            return True
+        # A MediaDecodeError's message names the file, whose name proves nothing.
+        text = (exc.reason if isinstance(exc, MediaDecodeError) else str(exc)).lower()
+        if any(marker.lower() in text for marker in _OUT_OF_MEMORY_TEXTS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

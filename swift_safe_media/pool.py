@@ -74,12 +74,18 @@ class Engine:
                     raise RuntimeError("swift_safe_media engine is shut down")
                 if self._idle and (self._zygote is None or not self._zygote.is_alive()):
                     self._drop_orphaned_sandboxes()
+                memory_cap_mb = config.max_memory_mb()
                 while self._idle:
                     box = self._idle.pop()
-                    if box.is_alive():
+                    if not box.is_alive():
+                        self._discard_quietly(box)
+                    elif box.memory_cap_mb != memory_cap_mb:
+                        # SWIFT_SAFE_MEDIA_MAX_MEMORY_MB changed since it started: a sandbox
+                        # cannot raise or lower its own cap, so its successor takes the new one.
+                        self._end(box)
+                    else:
                         self._busy += 1
                         return box
-                    self._discard_quietly(box)
                 if self._busy < config.max_sandboxes():
                     self._busy += 1
                     break

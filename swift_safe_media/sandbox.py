@@ -23,7 +23,7 @@ import socket
 import sys
 import traceback
 
-from . import config, transport
+from . import config, errors, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -128,9 +128,20 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
         except (BrokenPipeError, ConnectionError):
             os._exit(0)
         except BaseException as exc:
-            _reply_error(conn, TypeError(f"the result ({type(result).__name__}) cannot be "
-                                         f"sent back to the caller: {exc}"), memory_cap_mb)
+            _reply_error(conn, _unsendable(result, exc), memory_cap_mb)
         result = None
+
+
+def _unsendable(result, exc: BaseException) -> errors.MediaDecodeError:
+    """The error for a result that could not be sent back (unpicklable, or no memory for
+    the shared copy): a MediaDecodeError, which the caller completes with the file's name."""
+    size = transport.payload_bytes(result)
+    described = type(result).__name__
+    if size:
+        described += f", {size / (1 << 20):.0f} MB of arrays" if size >= 1 << 20 else f", {size} bytes of arrays"
+    text = str(exc).strip().splitlines()
+    reason = f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+    return errors.MediaDecodeError(None, f"the result ({described}) cannot be sent back to the caller: {reason}")
 
 
 def run_each(fn, arguments):
@@ -145,14 +156,13 @@ def run_each(fn, arguments):
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, MemoryError) or "can't allocate memory" in str(exc) or (
-        isinstance(exc, OSError) and exc.errno == 12)
+    return errors.is_out_of_memory(exc)
 
 
 def _reply_error(conn, exc: BaseException, memory_cap_mb: int) -> None:
     details = {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
+        "message": exc.reason if isinstance(exc, errors.MediaDecodeError) else str(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         "out_of_memory": is_out_of_memory(exc),
         "memory_cap_mb": memory_cap_mb,

@@ -322,6 +322,54 @@ class MappedBlocks:
         return memoryview(lend).cast("B")
 
 
+def payload_bytes(obj, depth: int = 0) -> int:
+    """Bytes of array data in `obj` (numpy arrays, tensors, PIL images, bytes), looking
+    into lists, tuples, dicts and dataclass-like objects: the size of a result, for errors."""
+    if depth > 8:
+        return 0
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return len(obj)
+    nbytes = getattr(obj, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    module = type(obj).__module__
+    if module.startswith("torch") and hasattr(obj, "element_size"):
+        return obj.element_size() * obj.nelement()
+    if module.startswith("PIL.") and hasattr(obj, "size") and hasattr(obj, "getbands"):
+        return obj.size[0] * obj.size[1] * len(obj.getbands())
+    if isinstance(obj, dict):
+        return sum(payload_bytes(value, depth + 1) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(value, depth + 1) for value in obj)
+    return 0
+
+
+_MADV_REMOVE = 9
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(array) -> None:
+    """Free the memory behind part of a received array that the caller has copied and
+    will not read again (PIL frames made from decoded ones, say), so the caller never
+    holds both. Only whole pages inside the array go: they are punched out of the shared
+    memfd (MADV_REMOVE; reading them again gives zeros). Memory that is not a shared
+    mapping refuses the advice, and is left as it is."""
+    start = array.__array_interface__["data"][0]
+    first = -(-start // _PAGE) * _PAGE
+    last = (start + array.nbytes) // _PAGE * _PAGE
+    if last > first:
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_REMOVE)
+
+
+_LIBC = []
+
+
+def _libc():
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None, use_errno=True))
+    return _LIBC[0]
+
+
 def receive_exactly(sock, size: int, deadline=None) -> bytearray:
     data = bytearray(size)
     view, got = memoryview(data), 0

@@ -43,8 +43,8 @@ _PREP_ENV = "_SWIFT_SAFE_MEDIA_PREP"  # the preparation, for a sandbox started b
 class SandboxHandle:
     """The caller's end of one sandbox: its pid, its socket, its lent shared blocks."""
 
-    def __init__(self, pid: int, conn: socket.socket):
-        self.pid, self.conn = pid, conn
+    def __init__(self, pid: int, conn: socket.socket, memory_cap_mb: int = 0):
+        self.pid, self.conn, self.memory_cap_mb = pid, conn, memory_cap_mb
         self.blocks = transport.MappedBlocks()
         self.setups_done = 0  # how many of the pool's sandbox setups have run here
 
@@ -98,7 +98,7 @@ class Zygote:
             raise EOFError("the zygote sent no sandbox")
         head += self._read(SPAWN_REPLY.size - len(head), deadline)
         (pid,) = SPAWN_REPLY.unpack(head)
-        return SandboxHandle(pid, socket.socket(fileno=fds[0]))
+        return SandboxHandle(pid, socket.socket(fileno=fds[0]), memory_cap_mb)
 
     def reap(self, pid: int, deadline: float) -> tuple[int, int]:
         self.control.settimeout(max(deadline - time.monotonic(), 0.001))

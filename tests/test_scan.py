@@ -90,3 +90,28 @@ def test_scan_of_a_directory_and_a_clean_dataset(corpus, tmp_path):
     done = run_scan(str(clean), "--workers", "1", "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no problems found" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_scan_reports_partial_files_as_truncated(tmp_path):
+    from tests import damaged_media
+
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    damaged_media.ffmpeg(*damaged_media.video_src(4), *damaged_media.H264, "-movflags", "+faststart",
+                         str(folder / "whole.mp4"))
+    damaged_media.ffmpeg(*damaged_media.tone(2, 16000), str(folder / "whole.wav"))
+    damaged_media.cut(folder / "whole.mp4", folder / "interrupted.mp4", 0.5)
+    damaged_media.cut(folder / "whole.wav", folder / "interrupted.wav", 0.5)
+    report, registry = tmp_path / "report.json", tmp_path / "quarantine.jsonl"
+    done = run_scan(str(folder), "--workers", "2", "--timeout", "10", "--no-progress",
+                    "--report", str(report), "--quarantine", str(registry))
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = {os.path.basename(problem["path"]): problem["problem"] for problem in json.loads(report.read_text())["problems"]}
+    assert set(found) == {"interrupted.mp4", "interrupted.wav"}
+    assert "truncated: index promises 120 frames, file holds" in found["interrupted.mp4"]
+    assert "truncated: index promises 32000 frames, file holds" in found["interrupted.wav"]
+    assert "truncated" in done.stdout
+    recorded = [json.loads(line) for line in registry.read_text().splitlines()]
+    assert {os.path.basename(entry["path"]) for entry in recorded} == {"interrupted.mp4", "interrupted.wav"}
+    assert all("truncated" in entry["reason"] for entry in recorded)

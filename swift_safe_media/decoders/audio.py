@@ -12,11 +12,11 @@ from __future__ import annotations
 import io
 import math
 
-from ..errors import MediaDecodeError
+from ..errors import MediaDecodeError, is_out_of_memory
 from . import guards, inputs
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
-_SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3/aac", "aiff"}
+_SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
 
 
 def _reason(exc: BaseException) -> str:
@@ -36,9 +36,12 @@ def _read_soundfile(label, data, limits, offset, duration):
             if start:
                 f.seek(start)
             frames = -1 if duration is None else int(duration * native_sr)
-            return f.read(frames=frames, dtype="float32", always_2d=False).T, native_sr
+            samples = f.read(frames=frames, dtype="float32", always_2d=False).T
     except soundfile.LibsndfileError:
         return None
+    if samples.shape[-1] == 0:  # a header with no payload behind it (or an offset past the end)
+        raise MediaDecodeError(label, "no audio samples decoded")
+    return samples, native_sr
 
 
 def _read_torchcodec(label, data, limits, offset, duration):
@@ -59,6 +62,8 @@ def _read_torchcodec(label, data, limits, offset, duration):
     try:
         samples = decoder.get_samples_played_in_range(start_seconds=offset, stop_seconds=offset + span + 1.0)
     except Exception as exc:
+        if is_out_of_memory(exc):
+            raise MemoryError(f"decoding {span:.0f} s of audio: {_reason(exc)}") from None
         raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
     y = samples.data.numpy()
     if duration is None and y.shape[-1] > limits.max_audio_seconds * native_sr:

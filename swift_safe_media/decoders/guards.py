@@ -12,8 +12,9 @@ import stat
 from dataclasses import dataclass
 
 from .. import config
-from ..config import MAX_AUDIO_SECONDS, MAX_PIXELS, MAX_URL_BYTES
+from ..config import MAX_AUDIO_SECONDS, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
+from . import integrity
 
 HEAD_BYTES = 64
 
@@ -24,10 +25,12 @@ class Limits:
     max_pixels: int = config.SETTINGS[MAX_PIXELS].default
     max_audio_seconds: float = config.SETTINGS[MAX_AUDIO_SECONDS].default
     max_url_bytes: int = config.SETTINGS[MAX_URL_BYTES].default
+    max_result_bytes: int = config.SETTINGS[MAX_RESULT_MB].default << 20
 
     @classmethod
     def from_env(cls) -> "Limits":
-        return cls(config.get(MAX_PIXELS), config.get(MAX_AUDIO_SECONDS), config.get(MAX_URL_BYTES))
+        return cls(config.get(MAX_PIXELS), config.get(MAX_AUDIO_SECONDS), config.get(MAX_URL_BYTES),
+                   config.get(MAX_RESULT_MB) << 20)
 
 
 def check_pixels(label, frames: int, height: int, width: int, limits: Limits) -> None:
@@ -35,6 +38,18 @@ def check_pixels(label, frames: int, height: int, width: int, limits: Limits) ->
     if total > limits.max_pixels:
         raise MediaDecodeError(label, f"decoded pixels cap exceeded: {frames} frames of {width}x{height} = "
                                       f"{total} > {limits.max_pixels} ({MAX_PIXELS})")
+
+
+def check_result_bytes(label, nbytes: int, what: str, limits: Limits) -> None:
+    """Refuse a result larger than the caller may be handed; checked before decoding
+    whenever its size is known in advance."""
+    if nbytes > limits.max_result_bytes:
+        raise MediaDecodeError(label, f"result size cap exceeded: {what} = {_megabytes(nbytes)} > "
+                                      f"{_megabytes(limits.max_result_bytes)} ({MAX_RESULT_MB})")
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.0f} MB"
 
 
 def check_audio_seconds(label, seconds: float, limits: Limits) -> None:
@@ -58,8 +73,21 @@ _INDIRECTIONS = (
 
 
 def _is_mp3_frame(head: bytes) -> bool:
-    # MPEG audio frame sync (11 bits set); layer bits 00 are reserved, so require a layer.
-    return len(head) >= 2 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06 != 0
+    """An MPEG audio frame header: 11 sync bits, a version other than the reserved 01, a
+    layer (00 is reserved: that is ADTS), a bitrate index other than 1111 and a sample
+    rate index other than 11."""
+    return (len(head) >= 4 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x18 != 0x08
+            and head[1] & 0x06 != 0 and head[2] & 0xF0 != 0xF0 and head[2] & 0x0C != 0x0C)
+
+
+def adts_frame_length(head: bytes) -> int:
+    """Length of the ADTS AAC frame these bytes start (its header's own field), or 0 if
+    they do not start one: 12 sync bits, layer 00, a sample rate index below 13 and a
+    frame long enough for its header (7 bytes, 9 with a CRC)."""
+    if len(head) < 7 or head[0] != 0xFF or head[1] & 0xF6 != 0xF0 or (head[2] >> 2) & 0x0F > 12:
+        return 0
+    length = (head[3] & 0x03) << 11 | head[4] << 3 | head[5] >> 5
+    return length if length >= (7 if head[1] & 0x01 else 9) else 0
 
 
 def container_of(head: bytes) -> str | None:
@@ -74,8 +102,12 @@ def container_of(head: bytes) -> str | None:
         return "flac"
     if head.startswith(b"OggS"):
         return "ogg"
-    if head.startswith(b"ID3") or _is_mp3_frame(head):
-        return "mp3/aac"  # ADTS AAC shares the sync word
+    if head.startswith(b"ID3"):
+        return "mp3/aac"  # a tag before MPEG audio or ADTS frames
+    if _is_mp3_frame(head):
+        return "mp3"
+    if adts_frame_length(head):
+        return "aac"
     if head.startswith(b"FORM") and head[8:12] in (b"AIFF", b"AIFC"):
         return "aiff"
     if head.startswith(b"caff"):
@@ -107,8 +139,15 @@ def check_head(label, head: bytes, size: int) -> str:
     return kind
 
 
-def _mpegts_synced(read_at, size: int) -> bool:
-    return size >= 189 and read_at(188, 1) == b"G"
+def _second_frame_synced(kind: str, head: bytes, read_at, size: int) -> bool:
+    """For containers known by a sync pattern only (MPEG-TS, ADTS), the next packet or
+    frame must start where the first one says it ends, when the input reaches that far."""
+    if kind == "mpeg-ts":
+        return size >= 189 and read_at(188, 1) == b"G"
+    if kind == "aac":
+        length = adts_frame_length(head)
+        return length + 7 > size or adts_frame_length(read_at(length, 7)) > 0
+    return True
 
 
 def check_regular(label, path: str) -> os.stat_result:
@@ -131,7 +170,8 @@ def check_regular(label, path: str) -> os.stat_result:
 
 
 def check_file(label, path: str) -> str:
-    """Raise unless `path` is a regular non-empty file holding an allowed container."""
+    """Raise unless `path` is a regular non-empty file holding an allowed container whose
+    index (if it has one) promises no more than the file holds."""
     info = check_regular(label, path)
     # O_NONBLOCK: if the path was swapped for a FIFO since the stat, open() must not wait.
     try:
@@ -143,8 +183,9 @@ def check_file(label, path: str) -> str:
             raise MediaDecodeError(label, "not a regular file")
         head = os.pread(fd, HEAD_BYTES, 0)
         kind = check_head(label, head, info.st_size)
-        if kind == "mpeg-ts" and not _mpegts_synced(lambda off, n: os.pread(fd, n, off), info.st_size):
+        if not _second_frame_synced(kind, head, lambda off, n: os.pread(fd, n, off), info.st_size):
             raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
+        integrity.check_complete(label, kind, integrity.Reader(fd=fd, size=info.st_size))
     finally:
         os.close(fd)
     return kind
@@ -152,6 +193,7 @@ def check_file(label, path: str) -> str:
 
 def check_bytes(label, data: bytes) -> str:
     kind = check_head(label, data[:HEAD_BYTES], len(data))
-    if kind == "mpeg-ts" and not _mpegts_synced(lambda off, n: data[off:off + n], len(data)):
+    if not _second_frame_synced(kind, data[:HEAD_BYTES], lambda off, n: data[off:off + n], len(data)):
         raise MediaDecodeError(label, f"not a known media container (first bytes {data[:12]!r})")
+    integrity.check_complete(label, kind, integrity.Reader(data=data))
     return kind

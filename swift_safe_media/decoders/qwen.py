@@ -2,8 +2,9 @@
 code in both packages) and of ``qwen_omni_utils``' audio loading (``process_audio_info``).
 
 Frames are chosen with the stock formulas (time range, ``nframes`` or ``fps``) applied
-to the frames the file really holds, decoded in the sandbox with torchcodec, then resized
-here exactly as stock does (torchvision bicubic with antialias, then float).
+to the frames the file really holds, decoded with torchcodec and resized exactly as stock
+does (torchvision bicubic with antialias, then float), both in the sandbox: only the
+model-sized tensor crosses to the caller.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import numpy as np
 
 from .. import engine
+from ..errors import MediaDecodeError
 from . import audio, guards, inputs, video
 
 # Constants of qwen_vl_utils 0.0.14 / qwen_omni_utils 0.0.9 vision_process, as shipped.
@@ -113,24 +115,59 @@ def qwen_indices(info: video.VideoInfo, ele, settings):
     return torch.linspace(first, last, count).round().long().tolist()
 
 
-def _resize_video(frames, ele, image_patch_size, settings):
-    """Stock's pixel budget and resize, on a uint8 (T, C, H, W) tensor; returns float32."""
+_SIZING_KEYS = ("min_pixels", "total_pixels", "max_pixels", "resized_height", "resized_width")
+# Frames decoded and resized per step in the sandbox: bounds its memory on huge frames
+# (one 8192x8192 frame is 200 MB) whatever the frame count; the result is the same.
+_RESIZE_CHUNK_BYTES = 256 << 20
+
+
+def target_size(height, width, nframes, sizing, image_patch_size, settings, seq_len):
+    """Stock's pixel budget for `nframes` frames of width x height: the (height, width)
+    every frame is resized to."""
+    factor = image_patch_size * settings["SPATIAL_MERGE_SIZE"]
+    min_pixels = sizing.get("min_pixels", settings["VIDEO_MIN_TOKEN_NUM"] * factor * factor)
+    total_pixels = sizing.get("total_pixels", seq_len * factor * factor * 0.9)
+    max_pixels = max(min(settings["VIDEO_MAX_TOKEN_NUM"] * factor * factor,
+                         total_pixels / nframes * settings["FRAME_FACTOR"]), int(min_pixels * 1.05))
+    max_pixels = min(sizing.get("max_pixels", max_pixels), max_pixels)
+    if "resized_height" in sizing and "resized_width" in sizing:
+        return smart_resize(sizing["resized_height"], sizing["resized_width"], factor, settings)
+    return smart_resize(height, width, factor, settings, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing, image_patch_size, settings,
+                   seq_len):
+    """Sandbox entry: stock ``fetch_video`` on a video file. Frames are chosen with the
+    stock formulas, decoded and resized here (torchvision bicubic with antialias, then
+    float, as stock), so only the model-sized tensor reaches the caller.
+
+    Returns (float32 (T, C, H, W) tensor, VideoInfo, indices, frames in the time range)."""
+    import torch
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional
 
-    factor = image_patch_size * settings["SPATIAL_MERGE_SIZE"]
-    nframes, _, height, width = frames.shape
-    min_pixels = ele.get("min_pixels", settings["VIDEO_MIN_TOKEN_NUM"] * factor * factor)
-    seq_len = int(float(os.environ.get("MODEL_SEQ_LEN", 128000)))
-    total_pixels = ele.get("total_pixels", seq_len * factor * factor * 0.9)
-    max_pixels = max(min(settings["VIDEO_MAX_TOKEN_NUM"] * factor * factor,
-                         total_pixels / nframes * settings["FRAME_FACTOR"]), int(min_pixels * 1.05))
-    max_pixels = min(ele.get("max_pixels", max_pixels), max_pixels)
-    if "resized_height" in ele and "resized_width" in ele:
-        size = smart_resize(ele["resized_height"], ele["resized_width"], factor, settings)
-    else:
-        size = smart_resize(height, width, factor, settings, min_pixels=min_pixels, max_pixels=max_pixels)
-    return functional.resize(frames, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True).float()
+    label = source.label
+    data = inputs.materialize(source, limits, url_timeout)
+    decoder, info = video.open_video(label, data)
+    try:
+        indices = qwen_indices(info, sampling, settings)
+        _, _, total = frame_range(sampling, info.num_frames, info.fps)
+        height, width = target_size(info.height, info.width, len(indices), sizing, image_patch_size, settings,
+                                    seq_len)
+    except ValueError as exc:  # stock raises these for this file: same condition, named
+        raise MediaDecodeError(label, f"refused by the qwen_vl_utils sampling rules: {exc}") from None
+    count = len(indices)
+    video.check_result(label, count, info, limits, pixel_bytes=0)
+    guards.check_result_bytes(label, count * 3 * height * width * 4,
+                              f"{count} frames resized to {width}x{height} as float32", limits)
+    resized = torch.empty((count, 3, height, width), dtype=torch.float32)
+    step = max(1, _RESIZE_CHUNK_BYTES // max(1, info.height * info.width * 3))
+    for start in range(0, count, step):
+        frames = video.frames_at(label, decoder, info, indices[start:start + step], limits, pixel_bytes=0)
+        chunk = torch.from_numpy(frames).permute(0, 3, 1, 2)
+        resized[start:start + len(frames)] = functional.resize(
+            chunk, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+    return resized, info, indices, total
 
 
 def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_video_metadata):
@@ -141,21 +178,19 @@ def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_v
 
 def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_video_metadata=False):
     """float32 tensor (T, C, H, W) [, metadata dict] [, sample_fps], as qwen_vl_utils returns."""
-    import torch
-
     if not isinstance(ele["video"], str):
         return engine.call(_stock_fetch_frames, ele, image_patch_size, return_video_sample_fps,
                            return_video_metadata, path=str(ele["video"][0]) if ele["video"] else None)
     source = inputs.describe(ele["video"])
     sampling = {key: ele[key] for key in _SAMPLING_KEYS if key in ele}
-    settings = current_settings()
-    frames, info, indices = engine.call(video.sample, source, guards.Limits.from_env(), inputs.url_timeout(),
-                                        qwen_indices, sampling, settings, path=source.label)
-    _, _, total = frame_range(sampling, info.num_frames, info.fps)
+    sizing = {key: ele[key] for key in _SIZING_KEYS if key in ele}
+    seq_len = int(float(os.environ.get("MODEL_SEQ_LEN", 128000)))
+    resized, info, indices, total = engine.call(
+        sample_resized, source, guards.Limits.from_env(), inputs.url_timeout(), sampling, sizing, image_patch_size,
+        current_settings(), seq_len, path=source.label)
     sample_fps = len(indices) / max(total, 1e-6) * info.fps
-    resized = _resize_video(torch.from_numpy(frames).permute(0, 3, 1, 2), ele, image_patch_size, settings)
-    metadata = dict(fps=info.fps, frames_indices=indices, total_num_frames=total,
-                    video_backend=os.environ.get("FORCE_QWENVL_VIDEO_READER", "torchcodec"))
+    # What decoded, whatever FORCE_QWENVL_VIDEO_READER asked stock to use.
+    metadata = dict(fps=info.fps, frames_indices=indices, total_num_frames=total, video_backend="torchcodec")
     result = (resized, metadata) if return_video_metadata else resized
     return (result, sample_fps) if return_video_sample_fps else result
 

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .. import engine
+from .. import engine, transport
 from . import audio as _audio
 from . import guards, inputs, video
 
@@ -24,15 +24,37 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _sample(media, pick, *pick_args):
+def _sample(media, pick, *pick_args, pixel_bytes=3):
     source = inputs.describe(media)
     return engine.call(video.sample, source, guards.Limits.from_env(), inputs.url_timeout(), pick, *pick_args,
-                       path=source.label)
+                       pixel_bytes=pixel_bytes, path=source.label)
+
+
+# Pillow keeps an RGB pixel in 32 bits: what a list of PIL frames costs its holder.
+PIL_PIXEL_BYTES = 4
+
+
+def _sample_pil(media, pick, *pick_args):
+    frames, _, _ = _sample(media, pick, *pick_args, pixel_bytes=PIL_PIXEL_BYTES)
+    return _pil_list(frames)
 
 
 def _pil_list(frames):
+    """PIL RGB images of uint8 (N, H, W, 3) frames, as stock's fromarray(...).convert("RGB")
+    makes them. fromarray already copies RGB into an image of its own, so the convert's
+    second copy is skipped, and each decoded frame's pages are given back once copied:
+    the caller never holds the frames twice."""
     from PIL import Image
-    return [Image.fromarray(frame).convert("RGB") for frame in frames]
+
+    images = []
+    for frame in frames:
+        image = Image.fromarray(frame)
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        images.append(image)
+        if not image.readonly and not engine.in_sandbox():  # a copy, not a view on the frame
+            transport.release_pages(frame)
+    return images
 
 
 # --- index rules: module level so the sandbox can unpickle them by name -------------
@@ -108,8 +130,7 @@ def vllm_indices(info: video.VideoInfo, num_frames):
 
 def load_video_internvl(video, bound=None, num_segments=32):
     """list of PIL RGB images, ``num_segments`` of them, as stock (decord)."""
-    frames, _, _ = _sample(video, internvl_indices, bound, num_segments)
-    return _pil_list(frames)
+    return _sample_pil(video, internvl_indices, bound, num_segments)
 
 
 def load_video_cogvlm2(video):
@@ -127,27 +148,23 @@ def load_video_llava(video):
 
 def load_video_minicpmv_mplug_owl3(video, max_num_frames):
     """list of PIL images: one frame per second, at most ``max_num_frames``."""
-    frames, _, _ = _sample(video, minicpmv_indices, max_num_frames)
-    return _pil_list(frames)
+    return _sample_pil(video, minicpmv_indices, max_num_frames)
 
 
 def load_video_valley(video):
     """list of 8 PIL RGB images, evenly spaced."""
-    frames, _, _ = _sample(video, valley_indices)
-    return _pil_list(frames)
+    return _sample_pil(video, valley_indices)
 
 
 def load_video_ovis2(video_path, num_frames):
     """list of PIL RGB images (stock: moviepy), at most ``num_frames``, picked by time
     on the nominal frame rate as moviepy does (the same frames on constant-rate video)."""
-    frames, _, _ = _sample(video_path, ovis2_indices, num_frames)
-    return _pil_list(frames)
+    return _sample_pil(video_path, ovis2_indices, num_frames)
 
 
 def load_video_ovis2_5(video_path, num_frames):
     """list of ``num_frames`` PIL RGB images (stock: moviepy)."""
-    frames, _, _ = _sample(video_path, ovis2_5_indices, num_frames)
-    return _pil_list(frames)
+    return _sample_pil(video_path, ovis2_5_indices, num_frames)
 
 
 def load_video_hf(videos):

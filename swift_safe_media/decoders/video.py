@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from .. import config
-from ..errors import MediaDecodeError
+from ..errors import MediaDecodeError, is_out_of_memory
 from . import guards, inputs
 
 
@@ -48,6 +48,15 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
 
 
+def decode_failure(label, exc: BaseException, what: str) -> BaseException:
+    """The error for a decoder call that raised `exc`: a MemoryError when it was an
+    allocation failure (so the caller reports the memory cap and replaces the sandbox),
+    else MediaDecodeError("decode failed: ...")."""
+    if is_out_of_memory(exc):
+        return MemoryError(f"{what}: {_reason(exc)}")
+    return MediaDecodeError(label, f"decode failed: {_reason(exc)}")
+
+
 def open_video(label, data):
     """A torchcodec decoder over `data` (guarded path or bytes), and what the file holds."""
     from torchcodec.decoders import VideoDecoder
@@ -56,6 +65,8 @@ def open_video(label, data):
         decoder = VideoDecoder(data, seek_mode="exact", dimension_order="NHWC",
                                num_ffmpeg_threads=config.decoder_threads())
     except Exception as exc:
+        if is_out_of_memory(exc):
+            raise MemoryError(f"opening the video: {_reason(exc)}") from None
         raise MediaDecodeError(label, f"cannot open video: {_reason(exc)}") from None
     meta = decoder.metadata
     num_frames = meta.num_frames_from_content or 0
@@ -74,10 +85,22 @@ def open_video(label, data):
     return decoder, VideoInfo(num_frames, float(fps), float(duration), meta.width, meta.height, nominal)
 
 
-def frames_at(label, decoder, info: VideoInfo, indices, limits: guards.Limits):
-    """uint8 array (N, H, W, 3) of the frames at `indices`, after the pixel cap."""
+def check_result(label, count: int, info: VideoInfo, limits: guards.Limits, pixel_bytes: int) -> None:
+    """The caps on `count` frames before they are decoded: decoded pixels, and the bytes
+    the caller will hold when each pixel costs it `pixel_bytes` (3 for an RGB array, 4
+    for a PIL RGB image, which Pillow stores in 32 bits; 0: the caller gets something
+    else, checked by whoever makes it)."""
+    guards.check_pixels(label, count, info.height, info.width, limits)
+    if pixel_bytes:
+        guards.check_result_bytes(label, count * info.height * info.width * pixel_bytes,
+                                  f"{count} frames of {info.width}x{info.height} at {pixel_bytes} bytes per pixel",
+                                  limits)
+
+
+def frames_at(label, decoder, info: VideoInfo, indices, limits: guards.Limits, pixel_bytes: int = 3):
+    """uint8 array (N, H, W, 3) of the frames at `indices`, after the caps."""
     indices = [int(i) for i in indices]
-    guards.check_pixels(label, len(indices), info.height, info.width, limits)
+    check_result(label, len(indices), info, limits, pixel_bytes)
     if not indices:
         raise MediaDecodeError(label, "no frames selected")
     bad = [i for i in indices if not 0 <= i < info.num_frames]
@@ -86,13 +109,13 @@ def frames_at(label, decoder, info: VideoInfo, indices, limits: guards.Limits):
     try:
         batch = decoder.get_frames_at(indices)
     except Exception as exc:
-        raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
+        raise decode_failure(label, exc, f"decoding {len(indices)} frames of {info.width}x{info.height}") from None
     return batch.data.numpy()
 
 
-def frames_played_at(label, decoder, info: VideoInfo, seconds, limits: guards.Limits):
-    """uint8 array (N, H, W, 3) of the frames shown at `seconds`, after the pixel cap."""
-    guards.check_pixels(label, len(seconds), info.height, info.width, limits)
+def frames_played_at(label, decoder, info: VideoInfo, seconds, limits: guards.Limits, pixel_bytes: int = 3):
+    """uint8 array (N, H, W, 3) of the frames shown at `seconds`, after the caps."""
+    check_result(label, len(seconds), info, limits, pixel_bytes)
     if not seconds:
         raise MediaDecodeError(label, "no frames selected")
     meta = decoder.metadata
@@ -101,22 +124,22 @@ def frames_played_at(label, decoder, info: VideoInfo, seconds, limits: guards.Li
     try:
         batch = decoder.get_frames_played_at(seconds)
     except Exception as exc:
-        raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
+        raise decode_failure(label, exc, f"decoding {len(seconds)} frames of {info.width}x{info.height}") from None
     return batch.data.numpy()
 
 
-def sample(source: inputs.Source, limits: guards.Limits, url_timeout, pick, *pick_args):
+def sample(source: inputs.Source, limits: guards.Limits, url_timeout, pick, *pick_args, pixel_bytes: int = 3):
     """Sandbox entry: open, choose frames with ``pick(info, *pick_args)``, decode them.
 
     `pick` returns frame indices, or `Seconds`. Returns (frames uint8 (N, H, W, 3),
-    VideoInfo, the indices or times as a list)."""
+    VideoInfo, the indices or times as a list). `pixel_bytes`: see ``check_result``."""
     data = inputs.materialize(source, limits, url_timeout)
     decoder, info = open_video(source.label, data)
     picked = pick(info, *pick_args)
     if isinstance(picked, Seconds):
-        return frames_played_at(source.label, decoder, info, picked, limits), info, list(picked)
+        return frames_played_at(source.label, decoder, info, picked, limits, pixel_bytes), info, list(picked)
     indices = [int(i) for i in picked]
-    return frames_at(source.label, decoder, info, indices, limits), info, indices
+    return frames_at(source.label, decoder, info, indices, limits, pixel_bytes), info, indices
 
 
 def load_images(sources, limits: guards.Limits, url_timeout):
@@ -126,7 +149,7 @@ def load_images(sources, limits: guards.Limits, url_timeout):
     import numpy as np
     from PIL import Image
 
-    frames = []
+    frames, held = [], 0
     for source in sources:
         if source.kind == "path":
             guards.check_regular(source.label, source.value)
@@ -134,6 +157,8 @@ def load_images(sources, limits: guards.Limits, url_timeout):
         try:
             with Image.open(data if isinstance(data, str) else io.BytesIO(data)) as image:
                 guards.check_pixels(source.label, len(sources), image.height, image.width, limits)
+                held += image.height * image.width * 3
+                guards.check_result_bytes(source.label, held, f"{len(frames) + 1} frames so far", limits)
                 frames.append(np.asarray(image.convert("RGB")))
         except MediaDecodeError:
             raise
