@@ -7,6 +7,10 @@ record is appended with one ``write`` under an exclusive ``flock``, so concurren
 writers on one host, or on nodes sharing a filesystem that honours locks, never
 interleave; a torn last line (a writer killed mid-write) is skipped on read. A registry
 that cannot be written (disk full, read-only) is reported once and training goes on.
+
+A registry made with :meth:`Registry.in_memory` keeps its records in this process only
+(no file, no log line of its own): LeRobot's adapter remembers so the files that failed
+in a worker, to substitute their later samples at once.
 """
 
 from __future__ import annotations
@@ -37,14 +41,32 @@ def _identity(path: str):
 
 
 class Registry:
-    def __init__(self, registry_path: str):
-        self.registry_path = registry_path
+    def __init__(self, registry_path: str | None):
+        self.registry_path = registry_path  # None: in memory only
         self._entries: dict[tuple, dict] = {}
         self._read_up_to = 0
         self._lock = threading.Lock()
         self._write_failed = False
 
+    @classmethod
+    def in_memory(cls) -> "Registry":
+        return cls(None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._refresh()
+            return len(self._entries)
+
+    def _identity(self, path: str):
+        identity = _identity(path)
+        if identity is None and self.registry_path is None:
+            # Remembered by name in memory: a path that cannot be looked at failed too.
+            return os.path.realpath(path), None, None
+        return identity
+
     def _refresh(self) -> None:
+        if self.registry_path is None:
+            return
         try:
             size = os.path.getsize(self.registry_path)
         except OSError:
@@ -64,7 +86,7 @@ class Registry:
         self._read_up_to += complete
 
     def lookup(self, path: str) -> dict | None:
-        identity = _identity(path)
+        identity = self._identity(path)
         if identity is None:
             return None
         with self._lock:
@@ -80,7 +102,7 @@ class Registry:
                                          f"{entry['reason']}")
 
     def record(self, path: str, kind: str, reason: str, elapsed: float | None) -> None:
-        identity = _identity(path)
+        identity = self._identity(path)
         if identity is None:
             return
         real, size, mtime_ns = identity
@@ -88,6 +110,10 @@ class Registry:
                  "elapsed": None if elapsed is None else round(elapsed, 3),
                  "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if self.registry_path is None:
+            with self._lock:
+                self._entries[identity] = entry
+            return
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode()
         try:
             directory = os.path.dirname(os.path.abspath(self.registry_path))

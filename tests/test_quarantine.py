@@ -14,8 +14,8 @@ from swift_safe_media import MediaDecodeTimeout, MediaQuarantined, call
 from swift_safe_media.quarantine import Registry
 
 from . import sandboxed
+from .fresh import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -135,3 +135,18 @@ def test_a_record_after_a_torn_line_stays_whole(tmp_path):
     Registry(str(registry_path)).record(clips[1], "error", "no video stream", 0.2)
     reader = Registry(str(registry_path))
     assert reader.lookup(clips[0])["kind"] == "timeout" and reader.lookup(clips[1])["kind"] == "error"
+
+
+def test_in_memory_registry_writes_nothing(tmp_path, caplog):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"not a clip")
+    registry = Registry.in_memory()
+    assert len(registry) == 0 and registry.lookup(str(clip)) is None
+    registry.record(str(clip), "timeout", "MediaDecodeTimeout: overran", 1.0)
+    registry.record(str(tmp_path / "gone.mp4"), "error", "no such file", 0.0)  # remembered by name
+    assert registry.lookup(str(clip))["reason"] == "MediaDecodeTimeout: overran"
+    assert registry.lookup(str(tmp_path / "gone.mp4"))["reason"] == "no such file"
+    assert len(registry) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+    assert "quarantined" not in caplog.text
+    clip.write_bytes(b"a changed file is a new file")
+    assert registry.lookup(str(clip)) is None
