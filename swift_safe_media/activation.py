@@ -61,9 +61,13 @@ def _choose_stats_dir() -> None:
 
 
 def disable() -> None:
-    """Restore the hosts' own loaders here, and keep children from turning protection on."""
+    """Undo what ``enable`` did here (the hosts' own loaders, DataLoader iteration without
+    the watchdog), and keep children from turning protection on."""
+    from . import watchdog
+
     config.put(config.ENABLED, False)
     integrations.disable_hosts()
+    watchdog.uninstall()
 
 
 def is_enabled() -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from . import config
+from . import config, process
 from .config import MAX_CONSECUTIVE_FAILURES, MAX_FAILURE_FRACTION
 
 DEFAULT_MAX_CONSECUTIVE = config.SETTINGS[MAX_CONSECUTIVE_FAILURES].default  # Megatron-Energon's default
@@ -58,12 +58,9 @@ class ErrorBudget:
                 f"{os.getpid()}; stopping instead of training on substitutes. Last failure: {what}")
 
 
-_budgets: dict[int, ErrorBudget] = {}
-
-
 def process_budget() -> ErrorBudget:
     """This process's budget, from the environment (a forked worker starts its own count)."""
-    budget = _budgets.get(os.getpid())
-    if budget is None:
-        budget = _budgets[os.getpid()] = ErrorBudget.from_environment()
-    return budget
+    state = process.current()
+    if state.budget is None:
+        state.budget = ErrorBudget.from_environment()
+    return state.budget

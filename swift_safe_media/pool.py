@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 
-from . import config, transport
+from . import config, process, transport
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
 from .zygote import SandboxHandle, Zygote
 
@@ -47,6 +47,11 @@ def set_up_sandboxes(fn) -> None:
     call's, and is not counted as a decode."""
     if fn not in _sandbox_setups:
         _sandbox_setups.append(fn)
+
+
+def sandbox_setups() -> tuple:
+    """The functions registered with :func:`set_up_sandboxes`, in order."""
+    return tuple(_sandbox_setups)
 
 
 def forget_sandbox_setup(fn) -> None:
@@ -302,37 +307,25 @@ def _rebuild_exception(exc, details, path, elapsed, pid):
     return exc
 
 
-_engine: Engine | None = None
-_engine_lock = threading.Lock()
-
-
 def get_engine() -> Engine:
-    global _engine
-    engine = _engine
+    """This process's pool (a forked child gets its own: see :mod:`.process`)."""
+    state = process.current()
+    engine = state.engine
     if engine is None:
-        with _engine_lock:
-            if _engine is None:
-                _engine = Engine()
-            engine = _engine
+        with state.engine_lock:
+            if state.engine is None:
+                state.engine = Engine()
+            engine = state.engine
     return engine
 
 
 def shutdown() -> None:
     """Stop this process's sandboxes and zygote (also done at exit)."""
-    global _engine
-    with _engine_lock:
-        engine, _engine = _engine, None
+    state = process.current()
+    with state.engine_lock:
+        engine, state.engine = state.engine, None
     if engine is not None:
         engine.close()
 
 
-def _after_fork_in_child() -> None:
-    global _engine, _engine_lock
-    _engine_lock = threading.Lock()
-    if _engine is not None:
-        _engine.abandon()
-    _engine = None
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(shutdown)

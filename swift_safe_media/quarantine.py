@@ -19,6 +19,10 @@ replaced or shrinks is read again from the start, and bytes that are not there y
 short read, or NULs where another node's write is not visible yet) are read again at
 the next look. A registry that cannot be written (disk full, read-only) is reported
 once and training goes on.
+
+A registry made with :meth:`Registry.in_memory` keeps its records in this process only
+(no file, no log line of its own): LeRobot's adapter remembers so the files that failed
+in a worker, to substitute their later samples at once.
 """
 
 from __future__ import annotations
@@ -96,9 +100,9 @@ def _host_label() -> str:
 
 
 class Registry:
-    def __init__(self, registry_path: str):
-        self.registry_path = os.fspath(registry_path)
-        self.folder = writers_folder(self.registry_path)
+    def __init__(self, registry_path: str | None):
+        self.registry_path = None if registry_path is None else os.fspath(registry_path)  # None: in memory
+        self.folder = None if registry_path is None else writers_folder(self.registry_path)
         self._entries: dict[tuple, dict] = {}
         self._sources: dict[str, _Source] = {}
         self._lock = threading.Lock()
@@ -106,8 +110,26 @@ class Registry:
         self._writer: tuple[int, str] | None = None  # (pid, file): a forked child gets its own
         self._write_failed = False
 
+    @classmethod
+    def in_memory(cls) -> "Registry":
+        return cls(None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._refresh()
+            return len(self._entries)
+
+    def _identity(self, path: str):
+        identity = _identity(path)
+        if identity is None and self.registry_path is None:
+            # Remembered by name in memory: a path that cannot be looked at failed too.
+            return os.path.realpath(path), None, None
+        return identity
+
     # -- reading ------------------------------------------------------------------
     def _refresh(self) -> None:
+        if self.registry_path is None:
+            return
         for path in registry_files(self.registry_path):
             self._read_new(path)
 
@@ -151,7 +173,7 @@ class Registry:
         self._entries[key] = entry
 
     def lookup(self, path: str) -> dict | None:
-        identity = _identity(path)
+        identity = self._identity(path)
         if identity is None:
             return None
         with self._lock:
@@ -176,7 +198,7 @@ class Registry:
         return self._writer[1]
 
     def record(self, path: str, kind: str, reason: str, elapsed: float | None) -> None:
-        identity = _identity(path)
+        identity = self._identity(path)
         if identity is None:
             return
         real, size, mtime_ns = identity
@@ -184,6 +206,10 @@ class Registry:
                  "elapsed": None if elapsed is None else round(elapsed, 3),
                  "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        if self.registry_path is None:
+            with self._lock:
+                self._entries[identity] = entry
+            return
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode()
         try:
             with self._write_lock:  # threads of this process share its file

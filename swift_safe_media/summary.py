@@ -20,7 +20,7 @@ import random
 import threading
 import time
 
-from . import config
+from . import config, process
 from .config import STATS_DIR, SUMMARY_STEPS  # noqa: F401 (their names, where callers look)
 
 log = logging.getLogger("swift_safe_media")
@@ -99,19 +99,16 @@ class Recorder:
             pass
 
 
-_recorders: dict[tuple[int, str], Recorder] = {}
-
-
 def recorder() -> Recorder | None:
     """This process's recorder for the run, or None when no stats folder is set."""
     directory = config.get(STATS_DIR)
     if not directory:
         return None
-    key = (os.getpid(), directory)  # a forked child starts its own file
-    found = _recorders.get(key)
+    recorders = process.current().recorders  # a forked child starts its own file
+    found = recorders.get(directory)
     if found is None:
         os.makedirs(directory, exist_ok=True)
-        found = _recorders[key] = Recorder(directory)
+        found = recorders[directory] = Recorder(directory)
         # The last second of counts: atexit in a plain process, and multiprocessing's own
         # exit hooks in a DataLoader worker, which ends without running atexit.
         atexit.register(found.flush)
@@ -120,9 +117,8 @@ def recorder() -> Recorder | None:
 
 
 def flush() -> None:
-    for (pid, _), found in list(_recorders.items()):
-        if pid == os.getpid():
-            found.flush()
+    for found in list(process.current().recorders.values()):
+        found.flush()
 
 
 def note_step(step: int) -> None:

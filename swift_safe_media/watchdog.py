@@ -14,6 +14,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import time
 import weakref
 
 from . import config
+from .integrations._patching import MethodPatcher
 from .config import INFLIGHT_DIR  # set by the watchdog; workers inherit it
 
 log = logging.getLogger("swift_safe_media")
@@ -154,16 +156,22 @@ class Watchdog:
         self.inflight_dir = tempfile.mkdtemp(prefix="swift-safe-media-inflight-")
         config.put(INFLIGHT_DIR, self.inflight_dir)
         answer_stack_dumps()  # forked workers inherit the handler; spawned ones get it from the .pth
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="swift-safe-media-watchdog", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if config.get(INFLIGHT_DIR) == self.inflight_dir:
+            config.put(INFLIGHT_DIR, None)
+        shutil.rmtree(self.inflight_dir, ignore_errors=True)
 
     def batch_received(self) -> None:
         self.last_batch = time.monotonic()
         self.fired = False
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout / 4))
+        while not self._stopped.wait(min(1.0, self.timeout / 4)):
             idle = time.monotonic() - self.last_batch
             if self.iterating and not self.fired and idle >= self.timeout:
                 self.fired = True
@@ -220,46 +228,48 @@ class Watchdog:
 
 
 _watchdog: Watchdog | None = None
-_installed = False
+_dataloader_patch = MethodPatcher()
 
 
 def install() -> Watchdog | None:
     """Watch DataLoader iteration in this process if a stall timeout is configured."""
-    global _watchdog, _installed
+    global _watchdog
     timeout = config.stall_timeout()
     if timeout <= 0 or _watchdog is not None:
         return _watchdog
     _watchdog = Watchdog(timeout, config.stall_action())
-    if not _installed:
-        _installed = True
-        _patch_dataloader_iteration()
+    from torch.utils.data import dataloader
+
+    _dataloader_patch.replace(dataloader._BaseDataLoaderIter, "__next__", _next_watched)
     return _watchdog
 
 
-def _patch_dataloader_iteration() -> None:
-    from torch.utils.data import dataloader
+def uninstall() -> None:
+    """Undo :func:`install`: the watchdog stops and DataLoader iteration is torch's own again."""
+    global _watchdog
+    watchdog, _watchdog = _watchdog, None
+    _dataloader_patch.restore()
+    if watchdog is not None:
+        watchdog.stop()
 
-    base = dataloader._BaseDataLoaderIter
-    original_next = base.__next__
 
-    def __next__(self):
-        watchdog = _watchdog
-        if watchdog is None:
-            return original_next(self)
-        if not getattr(self, "_swift_safe_media_watched", False):
-            self._swift_safe_media_watched = True
-            watchdog.iterating += 1
-            watchdog.batch_received()
-            weakref.finalize(self, _iteration_ended, watchdog)
-        try:
-            batch = original_next(self)
-        except StopIteration:
-            watchdog.batch_received()
-            raise
+def _next_watched(original_next, iterator):
+    """``_BaseDataLoaderIter.__next__``, telling the watchdog each time a batch arrives."""
+    watchdog = _watchdog
+    if watchdog is None:
+        return original_next(iterator)
+    if not getattr(iterator, "_swift_safe_media_watched", False):
+        iterator._swift_safe_media_watched = True
+        watchdog.iterating += 1
         watchdog.batch_received()
-        return batch
-
-    base.__next__ = __next__
+        weakref.finalize(iterator, _iteration_ended, watchdog)
+    try:
+        batch = original_next(iterator)
+    except StopIteration:
+        watchdog.batch_received()
+        raise
+    watchdog.batch_received()
+    return batch
 
 
 def _iteration_ended(watchdog: Watchdog) -> None:

@@ -111,6 +111,7 @@ def patch_state():
     import lerobot.datasets.utils as dataset_utils
     import lerobot.datasets.video_utils as video_utils
 
+    from swift_safe_media import pool
     from swift_safe_media.integrations import _patching, lerobot as adapter
 
     def ours(function):
@@ -123,7 +124,8 @@ def patch_state():
         "getitem": ours(lerobot_dataset.LeRobotDataset.__getitem__),
         "cycle": ours(dataset_utils.cycle),
         "is_patched": adapter.is_patched(),
-        "sites": sorted(f"{module}.{name}" for module, name in adapter._patcher.sites()),
+        "sites": sorted(f"{module}.{name}" for module, name in adapter.PATCHES.sites()),
+        "sandbox_setup": adapter.import_lerobot_in_sandbox in pool.sandbox_setups(),
     }
 
 

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from . import tiny_models
+from .fresh import clean_environment
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FFMPEG = os.environ.get("FFMPEG", "ffmpeg")
 SWIFT = os.path.join(os.path.dirname(sys.executable), "swift")
 
@@ -153,8 +153,7 @@ def run_sft(argv: list[str], *, env: dict[str, str] | None = None, timeout: floa
     """Run `swift sft ARGV` in its own session; kill its whole process group after
     ``timeout`` s, or once the training loop has gone ``stall_timeout`` s without a step.
     Returns (exit code, or None when killed; wall seconds; the log)."""
-    full_env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
-    full_env.update({**RUN_ENV, **(env or {})})
+    full_env = clean_environment({**RUN_ENV, **(env or {})})
     start = time.monotonic()
     progress, last_progress = None, start
     with open(log_path, "wb") as log:

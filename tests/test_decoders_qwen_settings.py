@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .fresh import ROOT
+
 
 SCRIPT = textwrap.dedent("""
     import sys

@@ -18,6 +18,7 @@ from swift_safe_media import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTim
 from swift_safe_media.engine import RemoteTraceback, get_engine
 
 from . import sandboxed
+from .fresh import ROOT
 from .conftest import children_of, process_state, wait_until_dead
 
 SLACK = 0.5  # the issue's bound: the error arrives within timeout + 0.5 s
@@ -290,8 +291,7 @@ KILL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("busy", [True, False])
 def test_sigkill_of_the_parent_leaves_no_orphans(tmp_path, busy):
     pid_file = tmp_path / "helper.pid"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    victim = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(pid_file), "busy" if busy else "idle"], cwd=root,
+    victim = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(pid_file), "busy" if busy else "idle"], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:
         zygote, sandbox = map(int, victim.stdout.readline().split())
@@ -320,8 +320,7 @@ def test_clean_exit_leaves_no_processes_or_shared_memory():
         assert frames.shape == (32, 360, 640, 3)
         print(get_engine()._zygote.process.pid, call(sandboxed.sandbox_pid), flush=True)
     """)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     zygote, sandbox = map(int, done.stdout.split())
     assert wait_until_dead([zygote, sandbox], within=3.0) == {}

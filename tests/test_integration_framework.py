@@ -2,14 +2,14 @@
 enable / disable order runs in a fresh interpreter, as dd-trace's PatchTestCase does.
 (The ms-swift and LeRobot adapters are tested against the real hosts elsewhere.)"""
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .fresh import ROOT, clean_environment
+
 
 HOST_FILES = {
     "fakehost/__init__.py": "__version__ = '{version}'\n",
@@ -63,8 +63,7 @@ def run_order(tmp_path, body, version="1.4", fail="no"):
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.replace("{version}", version).replace("{fail}", fail))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
-    env.pop("SWIFT_SAFE_MEDIA", None)
+    env = clean_environment(pythonpath=[str(tmp_path), ROOT])
     done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

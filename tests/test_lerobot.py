@@ -23,18 +23,18 @@ import pytest
 
 from swift_safe_media import quarantine
 
+from .fresh import ROOT, clean_environment
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lerobot") is None,
                                 reason="LeRobot is not installed")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(ROOT)
 CAMERA = "observation.images.front"
 HANGING_EPISODE, TRUNCATED_EPISODE = 1, 2
 
 
 def start_scenario(*args, env=None) -> subprocess.Popen:
-    environment = {name: value for name, value in os.environ.items()
-                   if not name.startswith("SWIFT_SAFE_MEDIA")}
-    environment.update(env or {})
+    environment = clean_environment(env)
     return subprocess.Popen([sys.executable, "-m", "tests.lerobot_scenarios", *map(str, args)],
                             cwd=REPO, env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -201,11 +201,13 @@ def assert_patched(state):
     assert state["video_utils"] and state["lerobot_dataset"] and state["getitem"] and state["cycle"]
     assert state["same_object"] and state["is_patched"]
     assert state["sites"] == PATCHED_SITES
+    assert state["sandbox_setup"], "sandboxes import LeRobot before their first decode"
 
 
 def assert_stock(state):
     assert not (state["video_utils"] or state["lerobot_dataset"] or state["getitem"] or state["cycle"])
     assert state["same_object"] and not state["is_patched"] and state["sites"] == []
+    assert not state["sandbox_setup"], "disable() undoes the sandbox setup too"
 
 
 @pytest.mark.timeout(300)

@@ -15,8 +15,8 @@ from swift_safe_media import quarantine
 from swift_safe_media.quarantine import Registry
 
 from . import sandboxed
+from .fresh import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -233,3 +233,17 @@ def test_a_replaced_or_not_yet_visible_registry_file_is_read_again(tmp_path):
     replacement.write_bytes(open(scratch.writer_file(), "rb").read())
     os.replace(replacement, own_file)
     assert reader.lookup(clips[2])["kind"] == "timeout"
+
+def test_in_memory_registry_writes_nothing(tmp_path, caplog):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"not a clip")
+    registry = Registry.in_memory()
+    assert len(registry) == 0 and registry.lookup(str(clip)) is None
+    registry.record(str(clip), "timeout", "MediaDecodeTimeout: overran", 1.0)
+    registry.record(str(tmp_path / "gone.mp4"), "error", "no such file", 0.0)  # remembered by name
+    assert registry.lookup(str(clip))["reason"] == "MediaDecodeTimeout: overran"
+    assert registry.lookup(str(tmp_path / "gone.mp4"))["reason"] == "no such file"
+    assert len(registry) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+    assert "quarantined" not in caplog.text
+    clip.write_bytes(b"a changed file is a new file")
+    assert registry.lookup(str(clip)) is None

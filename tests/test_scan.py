@@ -9,7 +9,7 @@ import pytest
 
 from swift_safe_media import quarantine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .fresh import ROOT
 
 
 def ffmpeg(*args):
@@ -112,6 +112,6 @@ def test_scan_reports_partial_files_as_truncated(tmp_path):
     assert "truncated: index promises 120 frames, file holds" in found["interrupted.mp4"]
     assert "truncated: index promises 32000 frames, file holds" in found["interrupted.wav"]
     assert "truncated" in done.stdout
-    recorded = [json.loads(line) for line in registry.read_text().splitlines()]
+    recorded = quarantine.entries(str(registry))
     assert {os.path.basename(entry["path"]) for entry in recorded} == {"interrupted.mp4", "interrupted.wav"}
     assert all("truncated" in entry["reason"] for entry in recorded)

@@ -3,13 +3,14 @@
 with the real, patched ``load_audio``; each case in a fresh interpreter."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 import wave
 
 import pytest
+
+from .fresh import clean_environment
 
 pytest.importorskip("swift.dataset", reason="ms-swift is in requirements-test.txt")
 
@@ -35,9 +36,8 @@ PRELUDE = textwrap.dedent("""
 
 
 def run(body, tmp_path, env):
-    child_env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
-    child_env.update({"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_QUARANTINE": str(tmp_path / "quarantine.jsonl"),
-                      "SWIFT_SAFE_MEDIA_TIMEOUT": "30", **env})
+    child_env = clean_environment({"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "30",
+                                   "SWIFT_SAFE_MEDIA_QUARANTINE": str(tmp_path / "quarantine.jsonl"), **env})
     done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=child_env,
                           capture_output=True, text=True, timeout=150, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

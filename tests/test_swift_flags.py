@@ -3,12 +3,13 @@ sft, pt, rlhf, infer, export), installed by the start-up hook; each case in a fr
 interpreter. The end-to-end tests run them through `swift sft` and a YAML config."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from .fresh import clean_environment
 
 pytest.importorskip("swift.utils", reason="ms-swift is in requirements-test.txt")
 
@@ -43,8 +44,7 @@ PRELUDE = textwrap.dedent("""
 
 
 def run(body, env=None, check=True):
-    child_env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
-    child_env.update(env or {})
+    child_env = clean_environment(env)
     done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=child_env,
                           capture_output=True, text=True, timeout=120, cwd="/")
     if check:

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from .fresh import clean_environment
+
 pytest.importorskip("swift.template", reason="ms-swift is in requirements-test.txt")
 
 # Runs in the child: the state of every (module, name) of the patch table and of every
@@ -25,7 +27,8 @@ PRELUDE = textwrap.dedent("""
         for module_name, module in list(sys.modules.items()):
             if not module_name.startswith(adapter.SCOPE) or module is None:
                 continue
-            for (host_module, name), _ in adapter.PATCH_TABLE.items():
+            for host_module, name in [(target.module, target.name) for target in adapter.TARGETS
+                                      if not target.is_method]:
                 value = getattr(module, name, None)
                 stock = getattr(sys.modules[host_module], name, None)
                 if stock is None:
@@ -62,8 +65,7 @@ EXPECTED_SITES = EXPECTED_ALIASES | {f"swift.template.vision_utils.{name}" for n
 
 
 def run(body, env=None):
-    child_env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
-    child_env.update(env or {})
+    child_env = clean_environment(env)
     done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=child_env,
                           capture_output=True, text=True, timeout=150, cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]

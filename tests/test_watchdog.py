@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .fresh import ROOT, clean_environment
+
 
 SCRIPT = textwrap.dedent("""
     import logging, sys
@@ -58,3 +59,30 @@ def test_watchdog_is_off_unless_configured(monkeypatch):
     monkeypatch.setenv("SWIFT_SAFE_MEDIA_STALL_TIMEOUT", "5")
     with pytest.raises(ValueError, match="SWIFT_SAFE_MEDIA_STALL_ACTION"):
         watchdog.install()
+
+
+@pytest.mark.timeout(120)
+def test_disable_undoes_the_watchdog():
+    """enable() with a stall timeout patches DataLoader iteration and starts the watchdog;
+    disable() restores torch's own ``__next__``, stops the thread and drops the in-flight folder."""
+    code = textwrap.dedent("""
+        import os, threading
+        import swift_safe_media
+        from torch.utils.data import dataloader
+        stock = dataloader._BaseDataLoaderIter.__next__
+        swift_safe_media.enable(hosts=["swift"])
+        folder = os.environ["SWIFT_SAFE_MEDIA_INFLIGHT_DIR"]
+        watching = [t.name for t in threading.enumerate() if t.name == "swift-safe-media-watchdog"]
+        print(dataloader._BaseDataLoaderIter.__next__ is not stock, watching != [], os.path.isdir(folder))
+        swift_safe_media.disable()
+        watching = [t for t in threading.enumerate() if t.name == "swift-safe-media-watchdog"]
+        for thread in watching:
+            thread.join(5)
+        print(dataloader._BaseDataLoaderIter.__next__ is stock, any(t.is_alive() for t in watching),
+              os.path.isdir(folder), "SWIFT_SAFE_MEDIA_INFLIGHT_DIR" in os.environ)
+    """)
+    env = clean_environment({"SWIFT_SAFE_MEDIA_STALL_TIMEOUT": "30"}, pythonpath=[ROOT])
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["True True True", "True False False False"]

@@ -5,9 +5,16 @@ Each adapter module (one per host, dd-trace style) provides:
 - ``HOST``: the host's top-level import name; ``DISTRIBUTION``: its package name;
 - ``SUPPORTED``: ``(lowest, first_unsupported)`` version tuples, declared once;
 - ``TRIGGER_MODULES``: modules whose import (re)applies the patch;
-- ``patch()`` / ``unpatch()`` / ``is_patched()``: idempotent; ``unpatch`` restores exactly;
-- optionally ``register_flags()``: adds the host's command-line flags, which must parse
-  even while the package is off, so a command line that has them never breaks.
+- ``get_version()``: the installed host version, or None;
+- ``patch()`` / ``unpatch()`` / ``is_patched()``: idempotent; ``unpatch`` restores exactly
+  (and undoes anything else ``patch`` registered);
+- optionally ``register_flags()`` with ``FLAG_MODULES``: adds the host's command-line
+  flags (:mod:`.flags`) once one of those modules is imported; they must parse even
+  while the package is off, so a command line that has them never breaks.
+
+The targets are data: a table of :class:`._patching.Target` rows (functions and methods
+alike) in a :class:`._patching.Patches`, which provides ``patch`` / ``unpatch`` /
+``is_patched``. The protocol is checked when an adapter is first loaded.
 
 ``patch`` fails open: if it raises, the host is restored, one warning is logged, and
 training goes on without protection rather than not at all.
@@ -73,8 +80,33 @@ def _warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
+REQUIRED = ("HOST", "DISTRIBUTION", "SUPPORTED", "TRIGGER_MODULES", "get_version", "patch", "unpatch",
+            "is_patched")
+_checked: set[str] = set()
+
+
 def adapter_for(host: str):
-    return importlib.import_module(ADAPTERS[host])
+    """The adapter module of ``host``, checked against the protocol above when first loaded."""
+    adapter = importlib.import_module(ADAPTERS[host])
+    if adapter.__name__ not in _checked:
+        check_adapter(adapter)
+        _checked.add(adapter.__name__)
+    return adapter
+
+
+def check_adapter(adapter) -> None:
+    """Raise TypeError naming what an adapter module lacks of the protocol."""
+    missing = [name for name in REQUIRED if not hasattr(adapter, name)]
+    missing += [name for name in ("get_version", "patch", "unpatch", "is_patched")
+                if hasattr(adapter, name) and not callable(getattr(adapter, name))]
+    if hasattr(adapter, "register_flags") and not getattr(adapter, "FLAG_MODULES", ()):
+        missing.append("FLAG_MODULES (register_flags needs them)")
+    lowest, first_unsupported = getattr(adapter, "SUPPORTED", ((), ()))
+    if not (isinstance(lowest, tuple) and isinstance(first_unsupported, tuple) and lowest < first_unsupported):
+        missing.append("SUPPORTED as (lowest, first_unsupported) version tuples")
+    if missing:
+        raise TypeError(f"swift_safe_media: adapter {adapter.__name__} does not follow the adapter "
+                        f"protocol: {', '.join(missing)}")
 
 
 def _apply(host: str) -> None:

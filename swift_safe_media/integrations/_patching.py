@@ -1,10 +1,18 @@
-"""Replace host functions by name: in the defining module and in every loaded module
-of the host that holds the same object (``from x import y`` copies the name)."""
+"""Patch targets as data, and the patchers that apply them.
+
+An adapter declares its targets in one table of :class:`Target` rows, functions and
+methods alike, and hands it to a :class:`Patches`, which gives it ``patch`` /
+``unpatch`` / ``is_patched``. A function is replaced by name in the defining module and
+in every loaded module of the host that holds the same object (``from x import y``
+copies the name: :class:`Patcher`); a method on its class (:class:`MethodPatcher`).
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
+from dataclasses import dataclass
 
 MARK = "__swift_safe_media_original__"
 
@@ -96,3 +104,69 @@ class MethodPatcher:
         while self._originals:
             cls, name, original = self._originals.pop()
             setattr(cls, name, original)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One patch target. ``name`` is a function of ``module`` (replaced with every alias
+    of it) or ``"Class.method"``. ``stand_in`` names the replacement: ``"pkg.mod:name"``,
+    or a bare name looked up in the adapter's module. A function's stand-in is called
+    like the function; a method's as ``stand_in(original, self, ...)``."""
+    module: str
+    name: str
+    stand_in: str
+
+    @property
+    def is_method(self) -> bool:
+        return "." in self.name
+
+
+class Patches:
+    """An adapter's target table and the state of its patch.
+
+    ``patch()`` patches whatever of the targets is loaded now (a module may be loaded
+    but still executing: what it has not defined yet is patched when called again, by
+    a later trigger); ``wrap_functions`` wraps each function's stand-in (the adapter's
+    logging, say)."""
+
+    def __init__(self, scope: tuple[str, ...], targets, namespace: dict, wrap_functions=None):
+        self.targets = tuple(targets)
+        self._namespace = namespace
+        self._wrap = wrap_functions
+        self._functions = Patcher(scope)
+        self._methods = MethodPatcher()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The host modules the targets live in: the triggers that (re)apply the patch."""
+        return tuple(dict.fromkeys(target.module for target in self.targets))
+
+    def stand_in(self, target: Target):
+        module_name, _, name = target.stand_in.rpartition(":")
+        if module_name:
+            return getattr(importlib.import_module(module_name), name)
+        return self._namespace[name]
+
+    def patch(self) -> None:
+        for target in self.targets:
+            module = sys.modules.get(target.module)
+            if target.is_method:
+                class_name, method = target.name.split(".", 1)
+                cls = getattr(module, class_name, None)
+                if cls is not None:
+                    self._methods.replace(cls, method, self.stand_in(target))
+            elif hasattr(module, target.name):  # older host versions lack some targets
+                stand_in = self.stand_in(target)
+                self._functions.replace(target.module, target.name,
+                                        self._wrap(stand_in) if self._wrap else stand_in)
+
+    def unpatch(self) -> None:
+        self._functions.restore()
+        self._methods.restore()
+
+    def is_patched(self) -> bool:
+        return bool(self._functions) or bool(self._methods)
+
+    def sites(self) -> list[tuple[str, str]]:
+        """(module, attribute) pairs that now call a function's stand-in."""
+        return self._functions.sites()

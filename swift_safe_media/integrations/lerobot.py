@@ -31,11 +31,11 @@ import os
 import random
 import sys
 
-from .. import activation, config, engine, summary
+from .. import config, engine, process, quarantine, summary
 from ..budget import process_budget
 from ..errors import MediaDecodeError
-from . import env_state, installed_version
-from ._patching import MethodPatcher, Patcher, original_of
+from . import env_state, flags, installed_version
+from ._patching import Patches, Target, original_of
 
 log = logging.getLogger("swift_safe_media")
 
@@ -48,25 +48,22 @@ DATASET = "lerobot.datasets.lerobot_dataset"
 DATASET_UTILS = "lerobot.datasets.utils"
 TRAIN_CONFIG = "lerobot.configs.train"
 
-TRIGGER_MODULES = (VIDEO_UTILS, DATASET, DATASET_UTILS)
 FLAG_MODULES = ("lerobot.configs.parser",)
 
-# Patch targets: (module, function, stand-in) and (module, class, method, stand-in).
-# The stand-ins are looked up by name below.
-FUNCTIONS = (
-    (VIDEO_UTILS, "decode_video_frames", "safe_decode_video_frames"),
-    (DATASET_UTILS, "cycle", "cycle_with_start_method"),
-)
-METHODS = (
-    (DATASET, "LeRobotDataset", "__getitem__", "getitem_or_substitute"),
-    (DATASET, "LeRobotDataset", "_query_videos", "query_videos_in_one_call"),
+# Patch targets; bare stand-in names are functions of this module.
+TARGETS = (
+    Target(VIDEO_UTILS, "decode_video_frames", "safe_decode_video_frames"),
+    Target(DATASET_UTILS, "cycle", "cycle_with_start_method"),
+    Target(DATASET, "LeRobotDataset.__getitem__", "getitem_or_substitute"),
+    Target(DATASET, "LeRobotDataset._query_videos", "query_videos_in_one_call"),
 )
 
 # An exception raised by a patched decode carries the video's path under this name.
 VIDEO_ATTRIBUTE = engine.FAILED_PATH
 
-_patcher = Patcher(scope=("lerobot",))
-_method_patcher = MethodPatcher()
+PATCHES = Patches(("lerobot",), TARGETS, globals())
+TRIGGER_MODULES = PATCHES.modules
+is_patched = PATCHES.is_patched
 
 
 def get_version() -> str | None:
@@ -79,24 +76,12 @@ def patch() -> None:
     # Importing LeRobot takes seconds in a fresh sandbox (one per worker, and one after
     # every kill); that must not count against a decode's own timeout.
     engine.set_up_sandboxes(import_lerobot_in_sandbox)
-    # A module may be loaded but still executing (the trigger of a module it imports
-    # fired): what it has not defined yet is patched by its own trigger, later.
-    for module_name, name, stand_in in FUNCTIONS:
-        if hasattr(sys.modules.get(module_name), name):
-            _patcher.replace(module_name, name, globals()[stand_in])
-    for module_name, class_name, name, stand_in in METHODS:
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if cls is not None:
-            _method_patcher.replace(cls, name, globals()[stand_in])
+    PATCHES.patch()
 
 
 def unpatch() -> None:
-    _patcher.restore()
-    _method_patcher.restore()
-
-
-def is_patched() -> bool:
-    return bool(_patcher) or bool(_method_patcher)
+    PATCHES.unpatch()
+    engine.forget_sandbox_setup(import_lerobot_in_sandbox)
 
 
 def _stock(module_name: str, name: str):
@@ -176,18 +161,22 @@ def _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s):
 
 
 # -- skip-and-substitute --------------------------------------------------------------
-# Files that timed out or crashed the sandbox in this process: later samples from them
-# are substituted at once instead of paying the timeout again. Per-sample errors (a
-# truncated file still has good frames) do not put a file here.
-_bad_files: dict[str, str] = {}
+def failed_files() -> quarantine.Registry:
+    """Files whose decode failed in this process (an in-memory quarantine registry):
+    later samples from them are substituted at once instead of paying a timeout again."""
+    state = process.current()
+    if state.failed_files is None:
+        state.failed_files = quarantine.Registry.in_memory()
+    return state.failed_files
 
 
 def getitem_or_substitute(stock_getitem, dataset, idx):
     """Return ``dataset[idx]``, or, if its video cannot be decoded, another sample."""
     budget = process_budget()
+    failed = failed_files()
     failures = []
     for candidate in _candidates(dataset, idx):
-        known_bad = _known_bad_video(dataset, candidate) if _bad_files else None
+        known_bad = _known_bad_video(dataset, candidate, failed) if len(failed) else None
         if known_bad is None:
             try:
                 item = stock_getitem(dataset, candidate)
@@ -197,7 +186,7 @@ def getitem_or_substitute(stock_getitem, dataset, idx):
                     raise
                 reason = _describe(exc)
                 if isinstance(exc, MediaDecodeError):
-                    _bad_files[path] = reason
+                    failed.record(path, "error", reason, exc.elapsed)
                 failure = _describe_sample(dataset, candidate, path, reason)
             else:
                 budget.success()
@@ -207,9 +196,8 @@ def getitem_or_substitute(stock_getitem, dataset, idx):
                                 failures[0], idx, candidate, others)
                 return item
         else:
-            path = known_bad
-            failure = _describe_sample(dataset, candidate, path,
-                                       f"file failed earlier: {_bad_files[path]}")
+            path, entry = known_bad
+            failure = _describe_sample(dataset, candidate, path, f"file failed earlier: {entry['reason']}")
         failures.append(failure)
         budget.failure(failure)
 
@@ -233,10 +221,15 @@ def _videos_of(dataset, idx) -> tuple[int, dict[str, str]]:
                      for key in dataset.meta.video_keys}
 
 
-def _known_bad_video(dataset, idx) -> str | None:
+def _known_bad_video(dataset, idx, failed) -> tuple[str, dict] | None:
+    """(path, its record) of a video of sample ``idx`` that failed before, if any."""
     dataset._ensure_hf_dataset_loaded()
     _, videos = _videos_of(dataset, idx)
-    return next((path for path in videos.values() if path in _bad_files), None)
+    for path in videos.values():
+        entry = failed.lookup(path)
+        if entry is not None:
+            return path, entry
+    return None
 
 
 def _describe_sample(dataset, idx, path, reason) -> str:
@@ -275,18 +268,15 @@ def cycle_with_start_method(iterable):
     return _reporting(batches)
 
 
-_batches_drawn = 0
-
-
 def _reporting(batches):
-    global _batches_drawn
-    summary.report_at_exit(lambda: _batches_drawn)  # lerobot-train ends by exiting, mid-cycle
+    state = process.current()
+    summary.report_at_exit(lambda: process.current().batches_drawn)  # lerobot-train ends by exiting, mid-cycle
     every = summary.summary_steps()
     for batch in batches:
-        _batches_drawn += 1
+        state.batches_drawn += 1
         yield batch
-        if every and _batches_drawn % every == 0:
-            summary.report(step=_batches_drawn)
+        if every and state.batches_drawn % every == 0:
+            summary.report(step=state.batches_drawn)
 
 
 def train_config_has_start_method(train_config_class=None) -> bool:
@@ -301,37 +291,25 @@ def train_config_has_start_method(train_config_class=None) -> bool:
 
 
 # -- flags ----------------------------------------------------------------------------
-FLAGS = {
-    "--safe_media": "enabled",
-    "--safe_media_timeout": "timeout",
-    "--safe_media_mp_context": "mp_context",
-    "--safe_media_max_memory_mb": "max_memory_mb",
-    "--safe_media_quarantine": "quarantine",
-    "--safe_media_stall_timeout": "stall_timeout",
-    "--safe_media_stall_action": "stall_action",
-}
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off")
 QUARANTINE_UNDER_OUTPUT_DIR = ("safe_media", "quarantine.jsonl")
+take_flags = flags.take_flags
 
 
 def register_flags() -> None:
     """Take our flags out of ``sys.argv`` before draccus sees them and apply them."""
     values, remaining = take_flags(sys.argv[1:])
     sys.argv[1:] = remaining
-    enabled = values.pop("enabled", None)
+    enabled = values.get(flags.ENABLED)
     protected = enabled is True or (enabled is None and env_state())
     output_dir, log_freq = _argument(remaining, "--output_dir"), _argument(remaining, "--log_freq")
-    if protected and output_dir and "quarantine" not in values and os.environ.get(config.QUARANTINE) is None:
+    if protected and output_dir and "quarantine" not in values and not config.is_set(config.QUARANTINE):
         # Only named now: lerobot-train refuses an output_dir that already exists.
         values["quarantine"] = os.path.join(output_dir, *QUARANTINE_UNDER_OUTPUT_DIR)
-    if protected and log_freq and summary.SUMMARY_STEPS not in os.environ:
-        os.environ[summary.SUMMARY_STEPS] = log_freq  # the summary joins LeRobot's own log lines
-    config.write(**values)
+    if protected and log_freq and not config.is_set(config.SUMMARY_STEPS):
+        config.put(config.SUMMARY_STEPS, log_freq)  # the summary joins LeRobot's own log lines
     if protected:
-        activation.enable(hosts=[HOST])  # again if on already: the stats folder follows the registry
-    elif enabled is False:
-        activation.disable()
+        values[flags.ENABLED] = True  # again if on already: the stats folder follows the registry
+    flags.apply(values, HOST)
 
 
 def _argument(argv: list[str], name: str) -> str | None:
@@ -342,36 +320,3 @@ def _argument(argv: list[str], name: str) -> str | None:
         if arg == name and position + 1 < len(argv):
             return argv[position + 1]
     return None
-
-
-def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
-    """Split ``--safe_media=true`` / ``--safe_media true`` style flags from the rest."""
-    values, remaining = {}, []
-    position = 0
-    while position < len(argv):
-        arg = argv[position]
-        position += 1
-        name, has_value, value = arg.partition("=")
-        if name not in FLAGS:
-            remaining.append(arg)
-            continue
-        if not has_value:
-            if position < len(argv) and not argv[position].startswith("--"):
-                value = argv[position]
-                position += 1
-            elif name == "--safe_media":
-                value = "true"  # a bare --safe_media
-            else:
-                raise ValueError(f"{name} needs a value")
-        values[FLAGS[name]] = _flag_value(name, value)
-    return values, remaining
-
-
-def _flag_value(name: str, value: str):
-    if name != "--safe_media":
-        return value
-    if value.lower() in _TRUE:
-        return True
-    if value.lower() in _FALSE:
-        return False
-    raise ValueError(f"{name}={value!r}: expected true or false")

@@ -2,14 +2,14 @@
 ``--safe_media*`` flags, spawn-started DataLoader workers, the error budget and the
 run summary.
 
-The patch targets are data (``PATCH_TABLE``): each row names a host function and the
+The patch targets are data (``TARGETS``): each row names a host function and the
 safe twin that replaces it, in the defining module and in every module that copied it
 with ``from ..vision_utils import load_audio`` (``swift.template.base``,
-``swift.template.templates.*``). A ``MediaDecodeError`` propagates through the
+``swift.template.templates.*``), or a host method and its stand-in. A ``MediaDecodeError`` propagates through the
 template, so ms-swift's ``LazyLLMDataset`` takes another sample and its pre-tokenising
 ``map`` drops the row; one log line names the file, the reason and the elapsed time.
 
-``METHOD_TABLE`` patches two methods: ``LazyLLMDataset.__getitem__`` counts each row it
+Two methods are patched: ``LazyLLMDataset.__getitem__`` counts each row it
 tries against the error budget, and the trainer's ``_get_callbacks`` adds the summary
 callback. Once ms-swift has resolved its output directory, the quarantine registry
 defaults to ``<output_dir>/safe_media/quarantine.jsonl``.
@@ -18,17 +18,18 @@ defaults to ``<output_dir>/safe_media/quarantine.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextvars
+import dataclasses
 import functools
-import importlib
 import logging
 import os
 import sys
 
-from .. import config, summary
+from .. import config, process, summary
 from ..budget import ErrorBudgetExceeded, process_budget
 from ..errors import MediaDecodeError
-from . import env_state, installed_version
-from ._patching import MethodPatcher, Patcher
+from . import env_state, flags, installed_version
+from ._patching import Patcher, Patches, Target
 
 log = logging.getLogger("swift_safe_media")
 
@@ -40,23 +41,19 @@ _SWIFT_LOADERS = ("load_audio", "load_video_internvl", "load_video_cogvlm2", "lo
                   "load_video_minicpmv_mplug_owl3", "load_video_valley", "load_video_ovis2", "load_video_ovis2_5",
                   "load_video_hf", "load_vllm_video")
 
-# (host module, function) -> (module of the safe twin, its name)
-PATCH_TABLE = {
-    **{("swift.template.vision_utils", name): ("swift_safe_media.decoders.swift", name) for name in _SWIFT_LOADERS},
+TARGETS = (
+    # Older 4.x lack some loaders (4.2.2 has no load_vllm_video): those are skipped.
+    *(Target("swift.template.vision_utils", name, f"swift_safe_media.decoders.swift:{name}")
+      for name in _SWIFT_LOADERS),
     # ms-swift's Qwen2.5-VL / Qwen3-VL templates decode video through qwen_vl_utils, the
     # Omni templates through qwen_omni_utils (both import them inside replace_tag).
-    ("qwen_vl_utils.vision_process", "fetch_video"): ("swift_safe_media.decoders.qwen", "fetch_video"),
-    ("qwen_omni_utils.v2_5.vision_process", "fetch_video"): ("swift_safe_media.decoders.qwen", "fetch_video"),
-    ("qwen_omni_utils.v2_5.audio_process", "process_audio_info"):
-        ("swift_safe_media.decoders.qwen", "process_audio_info"),
-}
-# (host module, class, method) -> the stand-in here, called as stand_in(original, self, ...)
-METHOD_TABLE = {
-    ("swift.dataset.utils", "LazyLLMDataset", "__getitem__"): "getitem_within_budget",
-    ("swift.trainers.mixin", "SwiftMixin", "_get_callbacks"): "callbacks_with_summary",
-}
-TRIGGER_MODULES = tuple(dict.fromkeys([module for module, _ in PATCH_TABLE]
-                                      + [module for module, _, _ in METHOD_TABLE]))
+    Target("qwen_vl_utils.vision_process", "fetch_video", "swift_safe_media.decoders.qwen:fetch_video"),
+    Target("qwen_omni_utils.v2_5.vision_process", "fetch_video", "swift_safe_media.decoders.qwen:fetch_video"),
+    Target("qwen_omni_utils.v2_5.audio_process", "process_audio_info",
+           "swift_safe_media.decoders.qwen:process_audio_info"),
+    Target("swift.dataset.utils", "LazyLLMDataset.__getitem__", "getitem_within_budget"),
+    Target("swift.trainers.mixin", "SwiftMixin._get_callbacks", "callbacks_with_summary"),
+)
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
 FLAG_MODULES = ("swift.utils.utils",)
@@ -64,66 +61,53 @@ FLAG_MODULES = ("swift.utils.utils",)
 # The run's folder for the registry, the stats and the summary, under ms-swift's output_dir.
 RUN_FOLDER = "safe_media"
 
-_patcher = Patcher(SCOPE)
-_method_patcher = MethodPatcher()
-_flag_patcher = Patcher(("swift.",))
-
 
 def get_version() -> str | None:
     return installed_version(DISTRIBUTION)
 
 
-def patch() -> None:
-    for (module_name, name), (twin_module, twin_name) in PATCH_TABLE.items():
-        # Older 4.x lack some loaders (4.2.2 has no load_vllm_video).
-        if hasattr(sys.modules.get(module_name), name):
-            twin = getattr(importlib.import_module(twin_module), twin_name)
-            _patcher.replace(module_name, name, _logging_failures(twin))
-    for (module_name, class_name, name), stand_in in METHOD_TABLE.items():
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        if cls is not None:
-            _method_patcher.replace(cls, name, globals()[stand_in])
-
-
-def unpatch() -> None:
-    _patcher.restore()
-    _method_patcher.restore()
-
-
-def is_patched() -> bool:
-    return bool(_patcher) or bool(_method_patcher)
-
-
-def patched_sites() -> list[tuple[str, str]]:
-    """(module, attribute) pairs that now call a safe twin."""
-    return _patcher.sites()
-
-
-_last_logged = None
-# Loader calls in this process, for the error budget to tell which rows had media.
-_decodes = {"ok": 0, "failed": 0}
-_last_failure = ""
-
-
 def _logging_failures(twin):
-    @functools.wraps(twin)
-    def call(*args, **kwargs):
-        global _last_logged, _last_failure
-        try:
-            result = twin(*args, **kwargs)
-        except MediaDecodeError as exc:
-            _decodes["failed"] += 1
-            _last_failure = f"{exc.path}: {exc.reason} ({type(exc).__name__})"
-            # ms-swift's Template.encode retries a failed sample twice at once: one line per sample.
-            if _last_logged != (exc.path, exc.reason):
-                _last_logged = (exc.path, exc.reason)
-                after = "" if exc.elapsed is None else f", after {exc.elapsed:.2f} s"
-                _host_logger().warning(f"swift_safe_media: skipped {exc.path}: {exc.reason} "
-                                       f"({type(exc).__name__}{after}); ms-swift takes another sample")
-            raise
-        _decodes["ok"] += 1
-        return result
-    return call
+    return functools.wraps(twin)(functools.partial(_call_logging_failures, twin))
+
+
+PATCHES = Patches(SCOPE, TARGETS, globals(), wrap_functions=_logging_failures)
+TRIGGER_MODULES = PATCHES.modules
+patch, unpatch, is_patched, patched_sites = PATCHES.patch, PATCHES.unpatch, PATCHES.is_patched, PATCHES.sites
+_flag_patcher = Patcher(("swift.",))
+
+
+@dataclasses.dataclass
+class RowOutcome:
+    """What the loaders did while one row was encoded: the error budget's evidence."""
+    decoded: int = 0
+    failed: int = 0
+    last_failure: str = ""
+
+
+# The row being encoded in this context (set by _encode_within_budget), if any.
+current_row: contextvars.ContextVar[RowOutcome | None] = contextvars.ContextVar("swift_safe_media_row",
+                                                                               default=None)
+
+
+def _call_logging_failures(twin, *args, **kwargs):
+    row = current_row.get()
+    try:
+        result = twin(*args, **kwargs)
+    except MediaDecodeError as exc:
+        if row is not None:
+            row.failed += 1
+            row.last_failure = f"{exc.path}: {exc.reason} ({type(exc).__name__})"
+        # ms-swift's Template.encode retries a failed sample twice at once: one line per sample.
+        state = process.current()
+        if state.last_logged_failure != (exc.path, exc.reason):
+            state.last_logged_failure = (exc.path, exc.reason)
+            after = "" if exc.elapsed is None else f", after {exc.elapsed:.2f} s"
+            _host_logger().warning(f"swift_safe_media: skipped {exc.path}: {exc.reason} "
+                                   f"({type(exc).__name__}{after}); ms-swift takes another sample")
+        raise
+    if row is not None:
+        row.decoded += 1
+    return result
 
 
 def _host_logger():
@@ -165,17 +149,20 @@ def getitem_within_budget(stock_getitem, dataset, idx):
 
 
 def _encode_within_budget(encode, row, *args, **kwargs):
-    ok, failed = _decodes["ok"], _decodes["failed"]
+    outcome = RowOutcome()
+    token = current_row.set(outcome)
     try:
         encoded = encode(row, *args, **kwargs)
     except Exception:
-        if _decodes["failed"] > failed:
+        if outcome.failed:
             try:
-                process_budget().failure(_last_failure)
+                process_budget().failure(outcome.last_failure)
             except ErrorBudgetExceeded as exc:
                 raise _BudgetSpent(exc) from None
         raise
-    if _decodes["ok"] > ok:
+    finally:
+        current_row.reset(token)
+    if outcome.decoded:
         process_budget().success()
     return encoded
 
@@ -190,41 +177,8 @@ def callbacks_with_summary(stock_get_callbacks, trainer, args):
 
 # --- flags ---------------------------------------------------------------------------
 
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _registry(text: str) -> str:
-    return "" if text.strip().lower() in ("", "none", "off", "false") else text
-
-
 FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-_GROUP = FLAGS.add_argument_group("swift-safe-media (bounded, isolated media decoding)")
-_GROUP.add_argument("--safe_media", type=_bool, default=None, metavar="{true,false}",
-                    help="decode media in a sandbox with a hard timeout; skip and log bad samples "
-                         "(default: false, or SWIFT_SAFE_MEDIA)")
-_GROUP.add_argument("--safe_media_timeout", type=float, default=None, metavar="SECONDS",
-                    help=f"seconds one decode may run (default: {config.DEFAULT_TIMEOUT_S:g}, "
-                         f"or {config.TIMEOUT})")
-_GROUP.add_argument("--safe_media_mp_context", choices=config.MP_CONTEXTS, default=None,
-                    help="start method of DataLoader workers; 'default' leaves ms-swift's "
-                         f"(default: spawn, or {config.MP_CONTEXT})")
-_GROUP.add_argument("--safe_media_max_memory_mb", type=int, default=None, metavar="MB",
-                    help=f"address space one decode may add; 0: no cap (default: RAM/4, or {config.MAX_MEMORY_MB})")
-_GROUP.add_argument("--safe_media_quarantine", type=_registry, default=None, metavar="PATH",
-                    help="JSON Lines registry of files that failed, refused at once afterwards; 'none': off "
-                         f"(default: <output_dir>/{RUN_FOLDER}/quarantine.jsonl, or {config.QUARANTINE})")
-_GROUP.add_argument("--safe_media_stall_timeout", type=float, default=None, metavar="SECONDS",
-                    help="seconds without a batch before every process's stacks are logged; 0: off "
-                         f"(default: 0, or {config.STALL_TIMEOUT})")
-_GROUP.add_argument("--safe_media_stall_action", choices=("log", "abort"), default=None,
-                    help=f"after the stacks, abort exits with code 75 (default: log, or {config.STALL_ACTION})")
-
+flags.add_arguments(FLAGS.add_argument_group("swift-safe-media (bounded, isolated media decoding)"))
 _MP_FLAG = "--dataloader_multiprocessing_context"
 
 
@@ -254,17 +208,9 @@ def parse_args(original, class_type, argv=None):
     return parsed
 
 
-def apply_flags(flags: argparse.Namespace) -> None:
+def apply_flags(parsed: argparse.Namespace) -> None:
     """Flag > environment > default: settings given are written to the environment."""
-    import swift_safe_media
-
-    config.write(timeout=flags.safe_media_timeout, max_memory_mb=flags.safe_media_max_memory_mb,
-                 mp_context=flags.safe_media_mp_context, quarantine=flags.safe_media_quarantine,
-                 stall_timeout=flags.safe_media_stall_timeout, stall_action=flags.safe_media_stall_action)
-    if flags.safe_media is True:
-        swift_safe_media.enable(hosts=[HOST])
-    elif flags.safe_media is False:
-        swift_safe_media.disable()
+    flags.apply({flag.key: getattr(parsed, flag.option.lstrip("-")) for flag in flags.FLAGS}, HOST)
 
 
 def protect_run(args) -> None:
@@ -277,7 +223,7 @@ def protect_run(args) -> None:
 
     output_dir = getattr(getattr(args, "training_args", None), "output_dir", None)
     registry = None
-    if output_dir and config.QUARANTINE not in os.environ:
+    if output_dir and not config.is_set(config.QUARANTINE):
         registry = os.path.join(output_dir, RUN_FOLDER, "quarantine.jsonl")
     swift_safe_media.enable(hosts=[HOST], quarantine=registry)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -285,5 +231,4 @@ def protect_run(args) -> None:
 
 
 def _has_field(class_type, name: str) -> bool:
-    import dataclasses
     return dataclasses.is_dataclass(class_type) and any(field.name == name for field in dataclasses.fields(class_type))

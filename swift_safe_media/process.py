@@ -1,0 +1,48 @@
+"""Per-process state: what the package holds for the process it runs in, in one object.
+
+:func:`current` returns this process's :class:`ProcessState`. One rule for fork: a
+forked child starts from a fresh state (``os.register_at_fork``), after dropping its
+copies of what belonged to the parent (the pool's sockets and zygote handle, without
+touching the parent's processes). Nothing here is inherited on purpose: settings travel
+in the environment (:mod:`.config`), patches live in the hosts' modules.
+
+What a forked child rightly keeps stays with the module that registers it: the
+adapters' patches and enabled hosts (:mod:`.integrations`), post-import hooks, sandbox
+setups (:mod:`.pool`), at-exit reports (:mod:`.summary`), the quarantine registries'
+read caches (:mod:`.quarantine`), the watchdog (:mod:`.watchdog`, the training
+process's own) and the in-sandbox flag (:mod:`.sandbox`, true in a sandbox's children too).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ProcessState:
+    engine: object = None  # pool.Engine: this process's sandboxes, started on the first call
+    engine_lock: threading.Lock = field(default_factory=threading.Lock)
+    budget: object = None  # budget.ErrorBudget: failed samples counted in this process
+    recorders: dict = field(default_factory=dict)  # stats folder -> summary.Recorder
+    failed_files: object = None  # quarantine.Registry in memory: LeRobot's files that failed here
+    last_logged_failure: tuple | None = None  # ms-swift: (path, reason) last logged (its retries are not)
+    batches_drawn: int = 0  # LeRobot: batches lerobot-train has drawn through ``cycle``
+
+
+_state = ProcessState()
+
+
+def current() -> ProcessState:
+    return _state
+
+
+def _after_fork_in_child() -> None:
+    global _state
+    inherited, _state = _state, ProcessState()
+    if inherited.engine is not None:
+        inherited.engine.abandon()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,57 @@
+"""Every adapter, every import order (dd-trace's PatchTestCase): each case in a fresh
+interpreter against the real host; every target of the adapter's table is checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from swift_safe_media import integrations
+
+from .fresh import run_python
+
+HOSTS_INSTALLED = {"swift": "swift.template", "lerobot": "lerobot.datasets"}
+
+
+def installed(host: str) -> bool:
+    try:
+        return importlib.util.find_spec(HOSTS_INSTALLED[host]) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("order", ["enable_first", "import_first"])
+@pytest.mark.parametrize("host", sorted(integrations.ADAPTERS))
+def test_patch_and_restore_in_every_order(host, order):
+    if not installed(host):
+        pytest.skip(f"{host} is not installed")
+    done = run_python(module="tests.programs.adapter_order", args=[host, order], timeout=180)
+    enabled, twice, disabled, again = json.loads(done.stdout.strip().splitlines()[-1])
+    assert enabled["targets"] and all(enabled["targets"].values()), enabled
+    assert enabled["is_patched"] and enabled["is_enabled"]
+    assert twice == {**enabled, "step": "enabled twice"}, "enabling twice changes nothing"
+    assert not any(disabled["targets"].values()), disabled
+    assert not disabled["is_patched"] and not disabled["is_enabled"]
+    assert again == {**enabled, "step": "enabled again"}
+
+
+def test_every_adapter_follows_the_protocol():
+    for host in integrations.ADAPTERS:
+        integrations.check_adapter(integrations.adapter_for(host))  # raises naming what is missing
+
+
+def test_an_adapter_that_breaks_the_protocol_is_refused():
+    import types
+
+    broken = types.ModuleType("broken_adapter")
+    broken.HOST, broken.DISTRIBUTION, broken.SUPPORTED = "broken", "broken", ((2, 0), (1, 0))
+    broken.patch = "not callable"
+    with pytest.raises(TypeError) as refused:
+        integrations.check_adapter(broken)
+    message = str(refused.value)
+    for part in ("broken_adapter", "TRIGGER_MODULES", "get_version", "unpatch", "is_patched", "patch",
+                 "SUPPORTED as (lowest, first_unsupported)"):
+        assert part in message, message
