@@ -242,9 +242,11 @@ class _Failures:
             self.first_by_path[path] = failure
 
     def named(self) -> str:
-        return "; ".join(failure + (f" (and {self.more_by_path[path]} more samples of this file)"
-                                    if path in self.more_by_path else "")
-                         for path, failure in self.first_by_path.items())
+        def more(path):
+            count = self.more_by_path.get(path, 0)
+            return f" (and {count} more sample{'s' if count > 1 else ''} of this file)" if count else ""
+
+        return "; ".join(failure + more(path) for path, failure in self.first_by_path.items())
 
 
 def _candidates(dataset, idx):
