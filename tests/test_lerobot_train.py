@@ -36,7 +36,7 @@ STEPS, BATCH = 10, 4  # one epoch: every episode, the bad ones too, is drawn
 TIMEOUT_S = 2
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "WANDB_MODE": "disabled", "TQDM_DISABLE": "1"}
-# A minute each on an idle 2-core machine; the bounds leave room for a busy one.
+# About 2 minutes a run on a 2-core machine busy with other jobs (load 14); room for a busier one.
 RUN_BOUND_S = 900
 
 
@@ -116,12 +116,9 @@ def run_train(command: list[str], bound: float, env=None) -> dict:
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
     seen: dict[int, tuple[int, int, str]] = {}  # every descendant seen while it ran
-    trainer_command = None
     deadline = time.monotonic() + bound
     while process.poll() is None and time.monotonic() < deadline:
         table = process_table()
-        if process.pid in table:
-            trainer_command = table[process.pid][2]
         for pid, row in descendants(table, process.pid).items():
             seen.setdefault(pid, row)
         time.sleep(0.2)
@@ -131,7 +128,7 @@ def run_train(command: list[str], bound: float, env=None) -> dict:
     process.wait()
     reader.join(timeout=10)
     return {"returncode": None if hung else process.returncode, "output": "".join(output),
-            "seen": seen, "pid": process.pid, "trainer_command": trainer_command}
+            "seen": seen, "pid": process.pid}
 
 
 def left_behind(seen, grace: float = 10.0) -> list[str]:
@@ -148,7 +145,8 @@ def left_behind(seen, grace: float = 10.0) -> list[str]:
 def dataloader_workers(run) -> tuple[list[str], list[str]]:
     """(spawned workers, forked copies of the trainer) among the trainer's descendants."""
     spawned = [row[2] for row in run["seen"].values() if "spawn_main" in row[2] or "forkserver" in row[2]]
-    forked = [row[2] for row in run["seen"].values() if row[2] == run["trainer_command"]]
+    # A forked worker keeps the trainer's command line: python .../bin/lerobot-train ...
+    forked = [row[2] for row in run["seen"].values() if str(LEROBOT_TRAIN) in row[2]]
     return spawned, forked
 
 
