@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from swift_safe_media import quarantine
+
 REPO = Path(__file__).resolve().parent.parent
 LEROBOT_VENV = REPO / ".venv-lerobot"
 LEROBOT_TRAIN = LEROBOT_VENV / "bin" / "lerobot-train"
@@ -175,7 +177,7 @@ def test_protected_lerobot_train_trains_every_step_names_every_bad_file_in_spawn
     assert not left_behind(run["seen"])
 
     registry = output_dir / "safe_media" / "quarantine.jsonl"
-    recorded = {json.loads(line)["path"] for line in registry.read_text().splitlines()}
+    recorded = {entry["path"] for entry in quarantine.entries(registry)}
     assert {str(datasets["bad"][kind].resolve()) for kind in ("hanging", "slow")} <= recorded, recorded
     summary = json.loads((output_dir / "safe_media" / "safe_media_summary.json").read_text())
     assert summary["step"] == STEPS and summary["ok"] > 0 and summary["timeout"] >= 2, summary
