@@ -5,13 +5,13 @@ own counters and writes them to ``stats-<pid>.json`` in the run's stats folder
 (``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers inherit): a failure
 at once, other counts at most once a second and at most a second late. ``collect``
 merges them: decodes, timeouts, crashes, quarantined hits, other errors, latency
-p50/p99, the slowest files, and the step each rank's trainer reached.
+p50/p99, the slowest files (each once: its worst time and how often it was decoded),
+and the step each rank's trainer reached.
 """
 
 from __future__ import annotations
 
 import atexit
-import heapq
 import json
 import logging
 import multiprocessing.util
@@ -27,7 +27,10 @@ log = logging.getLogger("swift_safe_media")
 
 OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error")
 _SAMPLE_SIZE = 4096  # latencies kept per process (reservoir), enough for p99
-_SLOWEST = 10
+_SLOWEST = 10  # files listed in the summary
+# Files each process keeps for that list, by worst time: a bounded table, since a dataset
+# may have millions. A file's count is exact unless it was pushed out and came back.
+_SLOW_FILES_KEPT = 64
 FLUSH_EVERY_S = 1.0
 
 
@@ -37,7 +40,7 @@ class Recorder:
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.latencies: list[float] = []
         self.seen = 0
-        self.slowest: list[tuple[float, str, str]] = []  # min-heap of (elapsed, path, outcome)
+        self.slow_files: dict[str, list] = {}  # path: [worst elapsed, its outcome, decodes]
         self.step: int | None = None  # in a trainer process: the training step reached
         self.last_flush = 0.0
         self._pending: threading.Timer | None = None
@@ -53,13 +56,8 @@ class Recorder:
                 slot = random.randrange(self.seen)
                 if slot < _SAMPLE_SIZE:
                     self.latencies[slot] = elapsed
-            entry = (elapsed, str(path), outcome)
-            if path is None:
-                pass  # counted, but no file to name among the slowest
-            elif len(self.slowest) < _SLOWEST:
-                heapq.heappush(self.slowest, entry)
-            elif entry > self.slowest[0]:
-                heapq.heapreplace(self.slowest, entry)
+            if path is not None:  # else counted, but no file to name among the slowest
+                self._note_slow_file(str(path), outcome, elapsed)
             # A failure is written at once. Other counts go out within a second: a worker
             # may idle between batches and then be killed (a DataLoader's idle workers at
             # the end, a `datasets.map` pool), never reaching an exit hook.
@@ -69,6 +67,20 @@ class Recorder:
                 self._pending = threading.Timer(FLUSH_EVERY_S, self._flush_pending)
                 self._pending.daemon = True
                 self._pending.start()
+
+    def _note_slow_file(self, path: str, outcome: str, elapsed: float) -> None:
+        kept = self.slow_files.get(path)
+        if kept is not None:
+            kept[2] += 1
+            if elapsed > kept[0]:
+                kept[0], kept[1] = elapsed, outcome
+            return
+        if len(self.slow_files) >= _SLOW_FILES_KEPT:
+            fastest = min(self.slow_files, key=lambda kept_path: self.slow_files[kept_path][0])
+            if self.slow_files[fastest][0] >= elapsed:
+                return
+            del self.slow_files[fastest]
+        self.slow_files[path] = [elapsed, outcome, 1]
 
     def _flush_pending(self) -> None:
         with self._lock:
@@ -87,7 +99,7 @@ class Recorder:
     def _flush(self) -> None:
         self.last_flush = time.monotonic()
         state = {"pid": os.getpid(), "counts": self.counts, "seen": self.seen, "latencies": self.latencies,
-                 "slowest": sorted(self.slowest, reverse=True)}
+                 "slow_files": {path: list(kept) for path, kept in self.slow_files.items()}}
         if self.step is not None:
             state.update(rank=int(os.environ.get("RANK", 0)), step=self.step)
         partial = f"{self.path}.{os.getpid()}.tmp"
@@ -139,7 +151,8 @@ def collect(directory: str | None = None) -> dict:
     """Merge every process's stats in the run's folder."""
     flush()
     directory = directory or config.get(STATS_DIR)
-    counts, latencies, slowest, processes, steps = dict.fromkeys(OUTCOMES, 0), [], [], 0, {}
+    counts, latencies, processes, steps = dict.fromkeys(OUTCOMES, 0), [], 0, {}
+    slow_files: dict[str, list] = {}  # path: [worst elapsed, its outcome, decodes], over processes
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         if not (name.startswith("stats-") and name.endswith(".json")):
             continue
@@ -152,13 +165,19 @@ def collect(directory: str | None = None) -> dict:
         for outcome in OUTCOMES:
             counts[outcome] += state["counts"].get(outcome, 0)
         latencies += state["latencies"]
-        slowest += [tuple(entry) for entry in state["slowest"]]
+        for path, (elapsed, outcome, decodes) in state.get("slow_files", {}).items():
+            merged = slow_files.setdefault(path, [elapsed, outcome, 0])
+            merged[2] += decodes
+            if elapsed > merged[0]:
+                merged[0], merged[1] = elapsed, outcome
         if "step" in state:
             steps[str(state["rank"])] = max(state["step"], steps.get(str(state["rank"]), 0))
     return {"decodes": sum(counts.values()), **counts, "processes": processes,
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99),
-            "slowest": [{"path": path, "elapsed_s": round(elapsed, 3), "outcome": outcome}
-                        for elapsed, path, outcome in sorted(slowest, reverse=True)[:_SLOWEST]],
+            # Each file once: its worst decode (time and outcome) and how many decodes it had.
+            "slowest": [{"path": path, "elapsed_s": round(elapsed, 3), "outcome": outcome, "count": decodes}
+                        for path, (elapsed, outcome, decodes) in
+                        sorted(slow_files.items(), key=lambda item: item[1][0], reverse=True)[:_SLOWEST]],
             "steps_by_rank": dict(sorted(steps.items(), key=lambda item: int(item[0])))}
 
 
@@ -171,7 +190,8 @@ def format_summary(summary: dict, step=None) -> str:
              f"{summary['crash']} crashes, {summary['quarantined']} quarantined, {summary['error']} errors; "
              f"latency p50 {seconds(summary['latency_p50_s'])}, p99 {seconds(summary['latency_p99_s'])}"]
     for entry in summary["slowest"][:5]:
-        lines.append(f"  slow: {entry['path']} {entry['elapsed_s']:.2f} s ({entry['outcome']})")
+        times = "1 decode" if entry["count"] == 1 else f"{entry['count']} decodes"
+        lines.append(f"  slow: {entry['path']} worst {entry['elapsed_s']:.2f} s ({entry['outcome']}), {times}")
     return "\n".join(lines)
 
 

@@ -34,13 +34,52 @@ def build(root, episodes="6", frames="10", cameras="1", vcodec="h264"):
     texture = np.random.default_rng(0).integers(0, 64, shape, dtype=np.uint8)
     for episode in range(int(episodes)):
         for frame in range(int(frames)):
-            images = {key: (texture * (number + 1) + episode * 40 + frame * 5).astype(np.uint8)
+            images = {key: (texture * (number + 1) + (episode * 40 + frame * 5) % 256).astype(np.uint8)
                       for number, key in enumerate(keys)}
             dataset.add_frame({**images, "observation.state": np.array([episode, frame], np.float32),
                                "action": np.zeros(2, np.float32), "task": "pick"})
         dataset.save_episode()
     dataset.finalize()
     return {"frames": len(dataset), "episodes": int(episodes)}
+
+
+def slow_video(path, width="96", height="64", hidden="500000"):
+    """Replace the video at ``path`` by a valid one of the same size whose every frame takes
+    seconds to decode: a very long GOP. One keyframe, then ``hidden`` frames an edit list
+    keeps from being shown, then the 10 frames that are: reaching any shown frame decodes
+    all hidden ones (5.7 s of CPU here; the CPU does the waiting, not I/O).
+    Should a decode ever finish, its timestamps miss LeRobot's tolerance: an error, never
+    a frame of the wrong size. Written with PyAV: two encoded frames, the second (all
+    skipped macroblocks) repeated, so it takes a second to build, not minutes."""
+    import fractions
+
+    import av
+    import numpy as np
+
+    encoder = av.CodecContext.create("mpeg2video", "w")
+    encoder.width, encoder.height, encoder.pix_fmt = int(width), int(height), "yuv420p"
+    encoder.time_base, encoder.framerate, encoder.gop_size = fractions.Fraction(1, 30), 30, 1 << 30
+    gray = av.VideoFrame.from_ndarray(np.full((int(height), int(width), 3), 128, np.uint8), format="rgb24")
+    encoded = []
+    for number in range(2):
+        frame = gray.reformat(format="yuv420p")
+        frame.pts = number
+        encoded += [bytes(packet) for packet in encoder.encode(frame)]
+    encoded += [bytes(packet) for packet in encoder.encode(None)]
+    keyframe, skipped = encoded[0], encoded[1]
+    out = av.open(str(path), "w", format="mp4")
+    stream = out.add_stream("mpeg2video", rate=30)
+    stream.width, stream.height, stream.pix_fmt = int(width), int(height), "yuv420p"
+    stream.time_base = fractions.Fraction(1, 30)
+    hidden = int(hidden)
+    for number in range(hidden + 10):
+        packet = av.Packet(keyframe if number == 0 else skipped)
+        packet.stream, packet.time_base = stream, stream.time_base
+        packet.pts = packet.dts = number - hidden  # negative: before the edit list's start
+        packet.is_keyframe = number == 0
+        out.mux(packet)
+    out.close()
+    return {"frames": hidden + 10}
 
 
 def item_digests(root):
@@ -202,12 +241,46 @@ def start_method():
     # policy, and some need transformers < 5, which this environment does not have.
     train_config = Path(importlib.util.find_spec("lerobot").origin).parent / "configs" / "train.py"
 
+    def inner_after_cycle(wrap):
+        """The start method of the torch DataLoader inside ``wrap(loader)``, after cycle."""
+        loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2)
+        next(cycle(wrap(loader)))
+        return loader.multiprocessing_context.get_start_method() if loader.multiprocessing_context else None
+
+    class Forwarding:
+        """Forwards reads to the loader, keeps writes to itself, starts it lazily (as
+        accelerate's DataLoaderShard does)."""
+
+        def __init__(self, loader):
+            self.__dict__["loader"] = loader
+
+        def __getattr__(self, name):
+            return getattr(self.loader, name)
+
+        def __iter__(self):
+            yield from self.loader
+
+    def under_accelerate():
+        """lerobot-train's way: cycle over ``accelerator.prepare(loader)``, whose wrapper
+        keeps attribute writes to itself and runs a torch DataLoader of its own."""
+        from accelerate import Accelerator
+
+        prepared = Accelerator(cpu=True).prepare(
+            torch.utils.data.DataLoader(data, batch_size=4, num_workers=2))
+        next(cycle(prepared))
+        context = prepared.base_dataloader.multiprocessing_context
+        return None if context is None else context.get_start_method()
+
     workers = after_cycle(num_workers=2)
+    forwarded = inner_after_cycle(Forwarding)
+    accelerated = under_accelerate()
     os.environ["SWIFT_SAFE_MEDIA_MP_CONTEXT"] = "forkserver"
     workers_forkserver = after_cycle(num_workers=2)
     os.environ["SWIFT_SAFE_MEDIA_MP_CONTEXT"] = "default"
     return {
         "workers": workers,
+        "forwarding_wrapper": forwarded,
+        "accelerate_prepared": accelerated,
         "workers_forkserver": workers_forkserver,
         "workers_default": after_cycle(num_workers=2),
         "user_choice": after_cycle(num_workers=2, multiprocessing_context="fork"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -88,6 +89,7 @@ def datasets(tmp_path_factory):
         "hostile": variant(clean, "hostile", hanging=[HANGING_EPISODE], truncated=[TRUNCATED_EPISODE]),
         "truncated": variant(clean, "truncated", truncated=[TRUNCATED_EPISODE]),
         "all_truncated": variant(clean, "all_truncated", truncated=range(6)),
+        "mostly_truncated": variant(clean, "mostly_truncated", truncated=range(1, 6)),
     }
 
 
@@ -185,6 +187,24 @@ def test_without_protection_the_truncated_episode_kills_the_epoch(datasets):
 
 
 @pytest.mark.timeout(300)
+def test_every_failed_file_is_named_once_substitutes_included(datasets):
+    """5 of 6 episodes truncated: substitutes often fail too. Each warning names every file
+    that failed on the way, each once; across the epoch every bad file is named."""
+    env = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "0",
+           "SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION": "1"}
+    code, result, _, stderr = run_scenario("epoch", datasets["mostly_truncated"], "none", 0, env=env)
+    assert code == 0, stderr[-3000:]
+    assert result["batches"] == CLEAN_BATCHES and {int(episode) for episode, _ in result["states"]} == {0}
+    warnings = [line for line in stderr.splitlines() if "substituted by sample" in line]
+    named_per_warning = [re.findall(r"file (\S+)\) failed: ", line) for line in warnings]
+    assert all(len(named) == len(set(named)) for named in named_per_warning)
+    assert max(len(named) for named in named_per_warning) >= 2, warnings[:5]
+    bad = {str(video_file(datasets["mostly_truncated"], episode)) for episode in range(1, 6)}
+    assert set().union(*named_per_warning) == bad
+    assert "other candidates failed" not in stderr
+
+
+@pytest.mark.timeout(300)
 def test_error_budget_stops_a_run_with_nothing_left_to_train_on(datasets):
     env = {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "5"}
     code, _, _, stderr = run_scenario("epoch", datasets["all_truncated"], "none", 0, env=env)
@@ -276,7 +296,10 @@ def test_flags_parse_through_lerobots_draccus_parser(tmp_path):
 def test_lerobot_train_dataloaders_get_the_configured_start_method():
     code, result, _, stderr = run_scenario("start_method", env={"SWIFT_SAFE_MEDIA": "1"})
     assert code == 0, stderr[-3000:]
-    assert result == {"workers": "spawn", "workers_forkserver": "forkserver", "workers_default": None,
+    # Set on the torch DataLoader that starts the workers, also under a wrapper that keeps
+    # attribute writes to itself (accelerator.prepare in lerobot-train).
+    assert result == {"workers": "spawn", "forwarding_wrapper": "spawn", "accelerate_prepared": "spawn",
+                      "workers_forkserver": "forkserver", "workers_default": None,
                       "user_choice": "fork", "no_workers": None,
                       "train_config_0_4_4_has_field": False, "newer_has_field": True}
 

@@ -61,3 +61,28 @@ def test_counts_reach_the_file_without_an_exit_hook_and_ranks_report_their_step(
     summary.note_step(4)
     assert (written()["rank"], written()["step"]) == (1, 4)
     assert summary.collect(str(tmp_path))["steps_by_rank"] == {"1": 4}
+
+
+def test_slow_list_names_each_file_once_with_its_worst_time_and_count(tmp_path, monkeypatch):
+    """Two processes' files (a worker's and a trainer's, say) timing the same files: each
+    file appears once, with its worst time, that decode's outcome and all its decodes."""
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_STATS_DIR", str(tmp_path))
+    first, second = summary.Recorder(str(tmp_path)), summary.Recorder(str(tmp_path))
+    second.path = str(tmp_path / "stats-other.json")
+    for elapsed in (2.05, 2.06, 0.0):
+        first.record("hang.mp4", "timeout" if elapsed else "quarantined", elapsed)
+    second.record("hang.mp4", "timeout", 2.10)
+    for number in range(3 * summary._SLOW_FILES_KEPT):  # many quick files: the table stays bounded
+        first.record(f"good_{number}.mp4", "ok", 0.001 + number * 1e-6)
+    first.record("slow_once.mp4", "ok", 0.9)
+    second.record("slow_once.mp4", "ok", 0.002)
+    first.flush(), second.flush()
+    assert len(first.slow_files) == summary._SLOW_FILES_KEPT
+
+    slowest = summary.collect(str(tmp_path))["slowest"]
+    paths = [entry["path"] for entry in slowest]
+    assert len(paths) == len(set(paths)) == summary._SLOWEST
+    assert slowest[0] == {"path": "hang.mp4", "elapsed_s": 2.1, "outcome": "timeout", "count": 4}
+    assert slowest[1] == {"path": "slow_once.mp4", "elapsed_s": 0.9, "outcome": "ok", "count": 2}
+    text = summary.format_summary(summary.collect(str(tmp_path)))
+    assert text.count("hang.mp4") == 1 and "hang.mp4 worst 2.10 s (timeout), 4 decodes" in text

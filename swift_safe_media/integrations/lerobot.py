@@ -13,7 +13,10 @@
   across ranks; :mod:`swift_safe_media.budget` stops the run when too much fails.
 - ``cycle`` (how ``lerobot-train`` iterates its DataLoader): workers use
   ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (default spawn) unless the DataLoader names a start
-  method or ``TrainPipelineConfig`` has ``dataloader_multiprocessing_context``; the run
+  method or ``TrainPipelineConfig`` has ``dataloader_multiprocessing_context``. The start
+  method is set where torch starts the workers (``_MultiProcessingDataLoaderIter``), on
+  the torch DataLoader that really runs them: ``lerobot-train`` hands ``cycle`` the
+  wrapper of ``accelerator.prepare``, which keeps attribute writes to itself. The run
   summary is logged every ``--log_freq`` batches and at exit.
 - ``--safe_media=true`` (and ``--safe_media_timeout``, ``_mp_context``, ``_max_memory_mb``,
   ``_quarantine``, ``_stall_timeout``, ``_stall_action``) on any LeRobot command line:
@@ -24,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib
 import logging
@@ -32,7 +36,7 @@ import random
 import sys
 
 from .. import config, engine, process, quarantine, summary
-from ..budget import process_budget
+from ..budget import ErrorBudgetExceeded, process_budget
 from ..errors import MediaDecodeError
 from . import env_state, flags, installed_version
 from ._patching import Patches, Target, original_of
@@ -47,6 +51,7 @@ VIDEO_UTILS = "lerobot.datasets.video_utils"
 DATASET = "lerobot.datasets.lerobot_dataset"
 DATASET_UTILS = "lerobot.datasets.utils"
 TRAIN_CONFIG = "lerobot.configs.train"
+TORCH_DATALOADER = "torch.utils.data.dataloader"
 
 FLAG_MODULES = ("lerobot.configs.parser",)
 
@@ -56,13 +61,18 @@ TARGETS = (
     Target(DATASET_UTILS, "cycle", "cycle_with_start_method"),
     Target(DATASET, "LeRobotDataset.__getitem__", "getitem_or_substitute"),
     Target(DATASET, "LeRobotDataset._query_videos", "query_videos_in_one_call"),
+    # Where torch starts DataLoader workers, under any wrapper of the loader.
+    Target(TORCH_DATALOADER, "_MultiProcessingDataLoaderIter.__init__", "start_workers_with_start_method"),
 )
 
 # An exception raised by a patched decode carries the video's path under this name.
 VIDEO_ATTRIBUTE = engine.FAILED_PATH
 
 PATCHES = Patches(("lerobot",), TARGETS, globals())
-TRIGGER_MODULES = PATCHES.modules
+# LeRobot's own modules only: torch's DataLoader is imported by every host, and patching
+# LeRobot (which registers its import in every sandbox) must not follow an ms-swift run.
+# LeRobot's modules import torch's DataLoader first, so its target is loaded by then.
+TRIGGER_MODULES = tuple(name for name in PATCHES.modules if name.startswith("lerobot."))
 is_patched = PATCHES.is_patched
 
 
@@ -174,7 +184,7 @@ def getitem_or_substitute(stock_getitem, dataset, idx):
     """Return ``dataset[idx]``, or, if its video cannot be decoded, another sample."""
     budget = process_budget()
     failed = failed_files()
-    failures = []
+    failures = _Failures()
     for candidate in _candidates(dataset, idx):
         known_bad = _known_bad_video(dataset, candidate, failed) if len(failed) else None
         if known_bad is None:
@@ -191,15 +201,44 @@ def getitem_or_substitute(stock_getitem, dataset, idx):
             else:
                 budget.success()
                 if failures:
-                    others = f" ({len(failures) - 1} other candidates failed too)" if len(failures) > 1 else ""
-                    log.warning("swift_safe_media: %s; sample %d substituted by sample %d%s",
-                                failures[0], idx, candidate, others)
+                    log.warning("swift_safe_media: %s; sample %d substituted by sample %d",
+                                failures.named(), idx, candidate)
                 return item
         else:
             path, entry = known_bad
             failure = _describe_sample(dataset, candidate, path, f"file failed earlier: {entry['reason']}")
-        failures.append(failure)
-        budget.failure(failure)
+        failures.add(path, failure)
+        try:
+            budget.failure(failure)
+        except ErrorBudgetExceeded:
+            # The budget's error names the last failure: the others are named here.
+            log.warning("swift_safe_media: %s; no substitute for sample %d", failures.named(), idx)
+            raise
+
+
+class _Failures:
+    """The failed candidates of one sample, each failed file named once: a file that only
+    ever fails as a substitute is named as surely as the sample's own."""
+
+    def __init__(self):
+        self.first_by_path: dict[str, str] = {}  # path: the first failure's description
+        self.more_by_path: dict[str, int] = {}  # path: further candidates that failed on it
+
+    def __bool__(self):
+        return bool(self.first_by_path)
+
+    def add(self, path: str, failure: str) -> None:
+        if path in self.first_by_path:
+            self.more_by_path[path] = self.more_by_path.get(path, 0) + 1
+        else:
+            self.first_by_path[path] = failure
+
+    def named(self) -> str:
+        def more(path):
+            count = self.more_by_path.get(path, 0)
+            return f" (and {count} more sample{'s' if count > 1 else ''} of this file)" if count else ""
+
+        return "; ".join(failure + more(path) for path, failure in self.first_by_path.items())
 
 
 def _candidates(dataset, idx):
@@ -250,29 +289,47 @@ def _describe(exc, limit: int = 300) -> str:
 
 
 # -- spawn and the run summary ---------------------------------------------------------
-def cycle_with_start_method(iterable):
-    """LeRobot's ``cycle`` (how ``lerobot-train`` draws its batches), after giving a
-    multi-worker DataLoader the configured start method; the run summary goes to the log
-    every ``SWIFT_SAFE_MEDIA_SUMMARY_STEPS`` batches (``--log_freq``) and at exit."""
-    import torch.utils.data
+# True while ``cycle`` draws a batch: DataLoader workers started meanwhile are the
+# training loader's, whatever wraps it (accelerate's DataLoaderShard and
+# DataLoaderDispatcher start the inner loader's iterator lazily, on the first draw).
+_drawing_training_batch = contextvars.ContextVar("swift_safe_media_drawing_training_batch", default=False)
 
-    batches = _stock(DATASET_UTILS, "cycle")(iterable)
-    if not isinstance(iterable, torch.utils.data.DataLoader):
-        return batches
-    if (iterable.num_workers > 0 and iterable.multiprocessing_context is None
+
+def cycle_with_start_method(iterable):
+    """LeRobot's ``cycle`` (how ``lerobot-train`` draws its batches): DataLoader workers
+    started while it draws get the configured start method
+    (:func:`start_workers_with_start_method`); the run summary goes to the log every
+    ``SWIFT_SAFE_MEDIA_SUMMARY_STEPS`` batches (``--log_freq``) and at exit."""
+    # Whatever ``iterable`` is (a DataLoader, accelerate's wrapper of one, anything that
+    # forwards to one): only lerobot-train's training loop calls cycle in LeRobot 0.4.
+    return _reporting(_stock(DATASET_UTILS, "cycle")(iterable))
+
+
+def start_workers_with_start_method(stock_init, workers_iterator, loader, *args, **kwargs):
+    """``_MultiProcessingDataLoaderIter.__init__``: before torch starts the workers of a
+    DataLoader drawn by ``cycle``, give it the configured start method, unless it names
+    one or LeRobot's ``TrainPipelineConfig`` lets the user choose."""
+    if (_drawing_training_batch.get() and loader.multiprocessing_context is None
             and not train_config_has_start_method()):
         method = config.mp_context()
         if method != "default":
-            iterable.multiprocessing_context = method
-            log.info("swift_safe_media: DataLoader workers use the %r start method", method)
-    return _reporting(batches)
+            loader.multiprocessing_context = method  # the torch DataLoader itself, not a wrapper
+            log.warning("swift_safe_media: DataLoader workers use the %r start method", method)
+    return stock_init(workers_iterator, loader, *args, **kwargs)
 
 
 def _reporting(batches):
     state = process.current()
     summary.report_at_exit(lambda: process.current().batches_drawn)  # lerobot-train ends by exiting, mid-cycle
     every = summary.summary_steps()
-    for batch in batches:
+    while True:
+        marker = _drawing_training_batch.set(True)
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        finally:
+            _drawing_training_batch.reset(marker)
         state.batches_drawn += 1
         yield batch
         if every and state.batches_drawn % every == 0:

@@ -1,0 +1,93 @@
+"""The real ``lerobot-train``, stock vs ``--safe_media=true``, side by side in one run.
+
+A clean dataset recorded with LeRobot's own API (2 AV1 cameras, 8 episodes of 10 frames),
+a tiny ACT on the CPU (torch on one thread), 20 steps, 2 DataLoader workers, run from LeRobot's own environment
+(``.venv-lerobot/``, built by ``make test``). Rounds alternate which side goes first, so
+both see the same load. Per run: wall time of the whole command, and the first batch's
+wait (LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,
+which is where spawn costs). Prints medians, their ratio, and the spread over rounds.
+
+    python bench/lerobot_train.py [--rounds 3] [--steps 20]
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LEROBOT_VENV = REPO / ".venv-lerobot"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "TQDM_DISABLE": "1"}
+THREADS = {"OMP_NUM_THREADS": "1"}  # the trainer's torch: one thread, both sides alike
+
+
+def build_dataset(root: Path) -> None:
+    subprocess.run([str(LEROBOT_VENV / "bin" / "python"), "-m", "tests.lerobot_scenarios", "build", str(root),
+                    "8", "10", "2", "libsvtav1"], cwd=REPO, env={**os.environ, **OFFLINE}, check=True,
+                   capture_output=True)
+
+
+def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[float, float]:
+    """(wall seconds, first batch's wait in seconds) of one lerobot-train run."""
+    command = [str(LEROBOT_VENV / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
+               f"--dataset.root={root}", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
+               "--policy.pretrained_backbone_weights=null", "--policy.dim_model=32", "--policy.n_heads=2",
+               "--policy.dim_feedforward=64", "--policy.n_encoder_layers=1", "--policy.n_decoder_layers=1",
+               "--policy.chunk_size=5", "--policy.n_action_steps=5", "--batch_size=4", "--num_workers=2",
+               f"--steps={steps}", "--log_freq=1", "--save_checkpoint=false", "--eval_freq=0",
+               "--wandb.enable=false", f"--output_dir={output_dir}"]
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SWIFT_SAFE_MEDIA")}
+    env.update(OFFLINE, **THREADS)
+    if protected:
+        command.append("--safe_media=true")
+    else:
+        env["SWIFT_SAFE_MEDIA"] = "0"
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0 or f"step:{steps} " not in done.stderr + done.stdout:
+        sys.exit(f"lerobot-train failed ({'ours' if protected else 'stock'}):\n{(done.stderr + done.stdout)[-3000:]}")
+    first = re.search(r"step:1 .*?data_s:([0-9.]+)", done.stderr + done.stdout)
+    return wall, float(first.group(1))
+
+
+def spread(values) -> str:
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    if not (LEROBOT_VENV / "bin" / "lerobot-train").exists():
+        sys.exit(f"{LEROBOT_VENV} is missing: `make test` builds it")
+    with tempfile.TemporaryDirectory(prefix="bench-lerobot-train-") as folder:
+        root = Path(folder) / "dataset"
+        build_dataset(root)
+        results = {False: [], True: []}
+        for number in range(args.rounds):
+            for protected in ((False, True) if number % 2 == 0 else (True, False)):
+                output_dir = Path(folder) / f"out-{number}-{int(protected)}"
+                results[protected].append(train(root, output_dir, args.steps, protected))
+                wall, first = results[protected][-1]
+                print(f"round {number + 1} {'ours ' if protected else 'stock'}: wall {wall:.1f} s, "
+                      f"first batch {first:.1f} s", flush=True)
+    stock_wall, ours_wall = ([wall for wall, _ in results[side]] for side in (False, True))
+    stock_first, ours_first = ([first for _, first in results[side]] for side in (False, True))
+    print(f"lerobot-train, {args.steps} steps, 2 workers, {args.rounds} alternating rounds (medians, spread):")
+    print(f"  wall time   ours/stock {statistics.median(ours_wall) / statistics.median(stock_wall):.2f}x "
+          f"({statistics.median(ours_wall):.1f} s [{spread(ours_wall)}] vs "
+          f"{statistics.median(stock_wall):.1f} s [{spread(stock_wall)}])")
+    print(f"  first batch ours-stock {statistics.median(ours_first) - statistics.median(stock_first):+.1f} s "
+          f"({statistics.median(ours_first):.1f} s [{spread(ours_first)}] vs "
+          f"{statistics.median(stock_first):.1f} s [{spread(stock_first)}])")
+
+
+if __name__ == "__main__":
+    main()
