@@ -205,12 +205,20 @@ def refused_quietly(load, media, label, corpus, allowed_names=()):
 
 # --- path inputs ----------------------------------------------------------------------
 
+# Every loader on two disguises; on the others, one loader per decode path (torchcodec
+# video, soundfile-then-torchcodec audio, torchcodec audio of a video): the loaders of a
+# path share its open.
+EVERY_LOADER_ON = ("id3_hls.mp3", "xml_comment_dash.mp4")
+ONE_PER_PATH = ("llava", "qwen", "load_audio", "omni_video_audio")
+
+
 def test_playlists_behind_accepted_bytes_are_refused_by_every_loader(corpus, trap):
     for name, content in hostile_files(corpus, trap.port).items():
         (corpus["hostile"] / name).write_bytes(content)
     for name in hostile_files(corpus, trap.port):
         path = str(corpus["hostile"] / name)
-        for loader_name, load in ALL_LOADERS.items():
+        loaders = ALL_LOADERS if name in EVERY_LOADER_ON else {key: ALL_LOADERS[key] for key in ONE_PER_PATH}
+        for loader_name, load in loaders.items():
             error = refused_quietly(load, path, path, corpus)
             assert error.path == path, (loader_name, error.path)
     assert not trap.was_contacted(), "a request reached the trap port"

@@ -99,6 +99,11 @@ def _loaded_libavformat():
 def probe(head: bytes, size: int) -> str | None:
     """Name of the demuxer FFmpeg's probe picks for an input of `size` bytes starting with
     `head` (at least its first ``PROBE_MAX`` bytes) handed over without a name; None if none."""
+    return _probe(head, size)[0]
+
+
+def _probe(head: bytes, size: int) -> tuple[str | None, int]:
+    """(demuxer name or None, how many leading bytes FFmpeg's probe reads to decide)."""
     lib = _loaded_libavformat()
     probe_size, previous = PROBE_MIN, -1
     while True:
@@ -110,26 +115,26 @@ def probe(head: bytes, size: int) -> str | None:
         found = lib.av_probe_input_format2(ctypes.byref(data), 1, ctypes.byref(score))
         if found:
             # AVInputFormat starts with `const char *name`.
-            return ctypes.cast(found, ctypes.POINTER(ctypes.c_char_p))[0].decode()
+            return ctypes.cast(found, ctypes.POINTER(ctypes.c_char_p))[0].decode(), available
         if at_end or probe_size >= PROBE_MAX:
-            return None
+            return None, available
         previous = available
         probe_size = min(probe_size << 1, PROBE_MAX)
 
 
-def check(label, head: bytes, size: int) -> str:
-    """The sniffed container of this input, after FFmpeg's probe agreed to read it with an
-    allowed demuxer; raise MediaDecodeError naming the input otherwise."""
+def check(label, head: bytes, size: int) -> int:
+    """How many leading bytes FFmpeg's probe reads, after it agreed to read this input with
+    a demuxer allowed for the sniffed container; raise MediaDecodeError naming it otherwise."""
     kind = guards.container_of(head[:guards.HEAD_BYTES])
     allowed = ALLOWED.get(kind, ())
     try:
-        picked = probe(head, size)
+        picked, probed = _probe(head, size)
     except OSError as exc:  # fail closed: no check, no FFmpeg
         raise MediaDecodeError(label, f"cannot check which FFmpeg demuxer would read it: {exc}") from None
     if picked not in allowed:
         found = f"FFmpeg would read it as {picked!r}" if picked else "FFmpeg recognises no format"
         raise MediaDecodeError(label, f"demuxer mismatch: sniffed {kind or 'unknown'}, {found}; refused")
-    return kind
+    return probed
 
 
 class PinnedFile(io.RawIOBase):
@@ -140,6 +145,10 @@ class PinnedFile(io.RawIOBase):
     def __init__(self, fd: int, snapshot: bytes, size: int):
         super().__init__()
         self._fd, self._snapshot, self._size, self._pos = fd, snapshot, size, 0
+
+    def keep_snapshot(self, length: int) -> None:
+        """Serve only the first `length` bytes from the snapshot: all that FFmpeg probes."""
+        self._snapshot = self._snapshot[:length]
 
     def readable(self):
         return True
@@ -200,7 +209,7 @@ def for_torchcodec(label, data):
         return data
     handle, snapshot, size = _open_path(label, data)
     try:
-        check(label, snapshot, size)
+        handle.keep_snapshot(check(label, snapshot, size))
     except BaseException:
         handle.close()
         raise
@@ -228,6 +237,7 @@ def open_pyav(label, data, **kwargs):
         handle, snapshot, size = _open_path(label, data)
         try:
             kind = guards.check_head(label, snapshot[:guards.HEAD_BYTES], size)
+            handle.keep_snapshot(0)  # the demuxer is named: nothing is probed
         except BaseException:
             handle.close()
             raise
@@ -243,12 +253,12 @@ def open_pyav(label, data, **kwargs):
         raise MediaDecodeError(label, f"cannot open with the {fmt} demuxer: {type(exc).__name__}: {exc}") from None
 
 
-def check_path(label, path: str) -> str:
+def check_path(label, path: str) -> None:
     """For decoders that open `path` themselves (LeRobot's): the guards, then FFmpeg's probe."""
     guards.check_file(label, path)
     handle, snapshot, size = _open_path(label, path)
     handle.close()
-    return check(label, snapshot, size)
+    check(label, snapshot, size)
 
 
 class pinned_pyav:

@@ -155,11 +155,15 @@ def frames_in_sandbox(video_path, timestamps, tolerance_s, backend):
     from ..decoders import demuxers
 
     video_utils = importlib.import_module(VIDEO_UTILS)  # imported already, by the sandbox's setup
-    # LeRobot's torchcodec backend hands FFmpeg an open file (fsspec), never the name; the
-    # demuxer FFmpeg's probe picks must be one allowed for what the file is.
-    demuxers.check_path(str(video_path), str(video_path))
-    if backend == "torchcodec" and hasattr(video_utils, "_default_decoder_cache"):
+    path = str(video_path)
+    cache = getattr(video_utils, "_default_decoder_cache", None)
+    if backend == "torchcodec" and cache is not None:
+        # LeRobot's cache hands FFmpeg an open file (fsspec), never the name; before it opens
+        # one, the demuxer FFmpeg's probe picks must be one allowed for what the file is.
+        if path not in getattr(cache, "_cache", {}):
+            demuxers.check_path(path, path)
         return _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s)
+    demuxers.check_path(path, path)
     with demuxers.pinned_pyav():  # the pyav backend opens by name: pin it to the file and demuxer
         return _stock(VIDEO_UTILS, "decode_video_frames")(video_path, timestamps, tolerance_s, backend)
 
