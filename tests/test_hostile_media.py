@@ -417,3 +417,20 @@ def test_enabling_protection_leaves_nothing_in_the_temp_dir(corpus, tmp_path):
     env.pop("SWIFT_SAFE_MEDIA_QUARANTINE", None)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert sorted(os.listdir(temp)) == []
+
+
+def test_lerobot_decode_checks_the_demuxer_before_its_own_decoders_open(corpus, trap):
+    """LeRobot's frame decode (run in the sandbox by our adapter) with both its backends."""
+    from swift_safe_media import engine
+    from swift_safe_media.integrations import lerobot
+
+    good = str(corpus["good"] / "clip.mp4")
+    frames = engine.call(lerobot.frames_in_sandbox, good, [0.0, 0.5], 0.05, "torchcodec", path=good)
+    assert tuple(frames.shape[:2]) == (2, 3)
+    for name in ("id3_hls.mp3", "xml_comment_dash.mp4", "id3_ffconcat.mp3"):
+        path = corpus["hostile"] / name
+        path.write_bytes(hostile_files(corpus, trap.port)[name])
+        for backend in ("torchcodec", "pyav"):
+            refused_quietly(lambda p: engine.call(lerobot.frames_in_sandbox, p, [0.0], 0.05, backend, path=p),
+                            str(path), str(path), corpus)
+    assert not trap.was_contacted()
