@@ -8,7 +8,9 @@ start-up hook (``swift_safe_media.pth``) turns the package on in every child whe
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 from . import config, integrations, sandbox
@@ -51,6 +53,7 @@ def _choose_stats_dir() -> None:
         return
     else:
         wanted = tempfile.mkdtemp(prefix="swift-safe-media-stats-")
+        _remove_at_exit(wanted)
     if current and current != wanted:
         try:
             os.rmdir(current)  # the temporary folder it replaces, if nothing was written there yet
@@ -58,6 +61,19 @@ def _choose_stats_dir() -> None:
             pass
     config.put(config.STATS_DIR, wanted)
     _chosen_stats_dir = config.get(config.STATS_DIR)
+
+
+def _remove_at_exit(folder: str) -> None:
+    """A temporary stats folder is ours: gone when the process that made it exits normally.
+    Registered before the host's summary hooks, so it runs after them (atexit runs last
+    first). Children that inherit the folder never remove it."""
+    creator = os.getpid()
+
+    def remove():
+        if os.getpid() == creator:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(remove)
 
 
 def disable() -> None:

@@ -129,6 +129,10 @@ MAX_URL_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_URL_BYTES", INT, 1 << 30, "bytes 
 MAX_RESULT_MB = _declare("SWIFT_SAFE_MEDIA_MAX_RESULT_MB", INT, 3072,
                          "bytes one loader call may hand its caller, as the caller holds them (PIL, float frames)",
                          above=0)
+# data: URIs and base64 strings are decoded in the caller, before any timeout applies:
+# refused by their length before decoding (64 MiB decodes in a fraction of a second).
+MAX_INLINE_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_INLINE_BYTES", INT, 64 << 20,
+                            "bytes a `data:` URI or base64 string may decode to", above=0)
 # Logging.
 LOG_LEVEL = _declare("SWIFT_SAFE_MEDIA_LOG_LEVEL", CHOICE, "WARNING",
                      "level of the package's own stderr log handler", choices=LOG_LEVELS)

@@ -180,14 +180,26 @@ def zygote_main(control_fd: int) -> None:
         os._exit(0)
 
 
+# Where zygote and sandboxes run: not the caller's directory, so nothing a decoder
+# resolves against the working directory (a playlist's relative entry, say) lands among
+# the caller's files. Inputs reach the sandbox as absolute paths (decoders.inputs).
+NEUTRAL_DIRECTORY = "/"
+
+
 def _apply_preparation(prep: dict) -> None:
-    sys.path[:] = prep["sys_path"]
+    cwd = prep["cwd"]
+    # The caller's relative import paths ("" among them) and script keep meaning what they
+    # meant there once this process leaves that directory.
+    sys.path[:] = [os.path.join(cwd, entry) for entry in prep["sys_path"]]
     sys.argv[:] = prep["argv"]
+    main = dict(prep["main"] or {})
+    if main.get("path"):
+        main["path"] = os.path.join(cwd, main["path"])
     try:
-        os.chdir(prep["cwd"])
+        os.chdir(NEUTRAL_DIRECTORY)
     except OSError:
         pass
-    sandbox.remember_caller_main(prep["main"])
+    sandbox.remember_caller_main(main)
 
 
 def _preload(names) -> None:

@@ -13,7 +13,7 @@ import io
 import math
 
 from ..errors import MediaDecodeError, is_out_of_memory
-from . import guards, inputs
+from . import demuxers, guards, inputs
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
 _SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
@@ -47,8 +47,9 @@ def _read_soundfile(label, data, limits, offset, duration):
 def _read_torchcodec(label, data, limits, offset, duration):
     from torchcodec.decoders import AudioDecoder
 
+    pinned = demuxers.for_torchcodec(label, data)  # the file opened here, the demuxer checked
     try:
-        decoder = AudioDecoder(data)
+        decoder = AudioDecoder(pinned)
     except Exception as exc:
         if "audio stream" in str(exc).lower():
             raise MediaDecodeError(label, "no audio stream") from None

@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass
 
 from .. import config
-from ..config import MAX_AUDIO_SECONDS, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
+from ..config import MAX_AUDIO_SECONDS, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 from . import integrity
 
@@ -26,11 +26,12 @@ class Limits:
     max_audio_seconds: float = config.SETTINGS[MAX_AUDIO_SECONDS].default
     max_url_bytes: int = config.SETTINGS[MAX_URL_BYTES].default
     max_result_bytes: int = config.SETTINGS[MAX_RESULT_MB].default << 20
+    max_inline_bytes: int = config.SETTINGS[MAX_INLINE_BYTES].default
 
     @classmethod
     def from_env(cls) -> "Limits":
         return cls(config.get(MAX_PIXELS), config.get(MAX_AUDIO_SECONDS), config.get(MAX_URL_BYTES),
-                   config.get(MAX_RESULT_MB) << 20)
+                   config.get(MAX_RESULT_MB) << 20, config.get(MAX_INLINE_BYTES))
 
 
 def check_pixels(label, frames: int, height: int, width: int, limits: Limits) -> None:

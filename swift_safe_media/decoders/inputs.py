@@ -46,7 +46,17 @@ def _local_path(text: str) -> str | None:
     return candidate if os.path.lexists(candidate) else None
 
 
+def _check_inline_size(label: str, payload: str) -> None:
+    """Refuse base64 text that would decode to more than the inline cap, before decoding it
+    (here, in the caller, where no timeout or memory cap applies)."""
+    cap = guards.Limits.from_env().max_inline_bytes
+    if len(payload) // 4 * 3 > cap:
+        raise MediaDecodeError(label, f"inline media cap exceeded: {len(payload)} characters of base64 "
+                                      f"decode to more than {cap} bytes ({guards.MAX_INLINE_BYTES})")
+
+
 def _decode_base64(label: str, payload: str) -> bytes:
+    _check_inline_size(label, payload)
     try:
         return base64.b64decode(re.sub(r"\s+", "", payload), validate=True)
     except (binascii.Error, ValueError):
@@ -67,6 +77,9 @@ def describe(media) -> Source:
         media = os.fspath(media)
     if not isinstance(media, str):
         raise TypeError(f"unsupported media input of type {type(media).__name__}")
+    if len(media) > _MAX_PATH_LENGTH:  # only a data: URI or base64 text is this long: check before any copy
+        kind = "data: URI" if media[:64].lstrip().startswith("data:") else "base64 string"
+        _check_inline_size(f"<{kind} of {len(media)} chars>", media)
     text = media.strip()
     if text.startswith(("http://", "https://")):
         return Source("url", text, text)
@@ -80,7 +93,7 @@ def describe(media) -> Source:
         match = _DATA_URI.match(text)
         if match is None:
             raise MediaDecodeError(_abbreviate(text), "malformed data: URI")
-        data = _decode_base64("<data: URI>", match.group(2))
+        data = _decode_base64(f"<data: URI of {len(text)} chars>", match.group(2))
         return Source("bytes", data, f"<data: URI of {len(data)} bytes>")
     # Stock tries base64 on any string that is not a file; we also want the payload to
     # start a media container, so a mistyped path is reported as a missing file.

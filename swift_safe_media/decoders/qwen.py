@@ -176,9 +176,18 @@ def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_v
     return stock_fetch_video(ele, image_patch_size, return_video_sample_fps, return_video_metadata)
 
 
+def _absolute_if_local(item):
+    if isinstance(item, str) and not item.startswith(("http://", "https://", "file://", "data:")) \
+            and os.path.lexists(item):
+        return os.path.abspath(item)
+    return item
+
+
 def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_video_metadata=False):
     """float32 tensor (T, C, H, W) [, metadata dict] [, sample_fps], as qwen_vl_utils returns."""
     if not isinstance(ele["video"], str):
+        # Relative image paths are made absolute here: the sandbox does not run in this directory.
+        ele = dict(ele, video=[_absolute_if_local(item) for item in ele["video"]])
         return engine.call(_stock_fetch_frames, ele, image_patch_size, return_video_sample_fps,
                            return_video_metadata, path=str(ele["video"][0]) if ele["video"] else None)
     source = inputs.describe(ele["video"])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from .. import config
 from ..errors import MediaDecodeError, is_out_of_memory
-from . import guards, inputs
+from . import demuxers, guards, inputs
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,14 @@ def decode_failure(label, exc: BaseException, what: str) -> BaseException:
 
 
 def open_video(label, data):
-    """A torchcodec decoder over `data` (guarded path or bytes), and what the file holds."""
+    """A torchcodec decoder over `data` (guarded path or bytes), and what the file holds.
+    FFmpeg gets the file opened here, never its name, and only after its own probe picked
+    an allowed demuxer (``demuxers.for_torchcodec``)."""
     from torchcodec.decoders import VideoDecoder
 
+    pinned = demuxers.for_torchcodec(label, data)
     try:
-        decoder = VideoDecoder(data, seek_mode="exact", dimension_order="NHWC",
+        decoder = VideoDecoder(pinned, seek_mode="exact", dimension_order="NHWC",
                                num_ffmpeg_threads=config.decoder_threads())
     except Exception as exc:
         if is_out_of_memory(exc):

@@ -123,6 +123,8 @@ def query_videos_in_one_call(stock_query_videos, dataset, query_timestamps, ep_i
 
 def _decode_in_sandbox(requests):
     """Frames for each (path, timestamps, tolerance_s, backend), decoded in the sandbox."""
+    # Absolute here: the sandbox does not run in this process's working directory.
+    requests = [(os.path.abspath(path), *rest) for path, *rest in requests]
     paths = [request[0] for request in requests]
     decoded = engine.call_each(frames_in_sandbox, requests, paths)  # failures carry VIDEO_ATTRIBUTE
     return [_as_lerobot_floats(frames) for frames in decoded]
@@ -145,10 +147,20 @@ def frames_in_sandbox(video_path, timestamps, tolerance_s, backend):
     """Runs in the sandbox: LeRobot's decode, with its decoder cache (torchcodec decoders
     keyed by path) living as long as the sandbox does. torchcodec frames are returned as
     uint8, before LeRobot's float conversion."""
+    from ..decoders import demuxers
+
     video_utils = importlib.import_module(VIDEO_UTILS)  # imported already, by the sandbox's setup
-    if backend == "torchcodec" and hasattr(video_utils, "_default_decoder_cache"):
+    path = str(video_path)
+    cache = getattr(video_utils, "_default_decoder_cache", None)
+    if backend == "torchcodec" and cache is not None:
+        # LeRobot's cache hands FFmpeg an open file (fsspec), never the name; before it opens
+        # one, the demuxer FFmpeg's probe picks must be one allowed for what the file is.
+        if path not in getattr(cache, "_cache", {}):
+            demuxers.check_path(path, path)
         return _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s)
-    return _stock(VIDEO_UTILS, "decode_video_frames")(video_path, timestamps, tolerance_s, backend)
+    demuxers.check_path(path, path)
+    with demuxers.pinned_pyav():  # the pyav backend opens by name: pin it to the file and demuxer
+        return _stock(VIDEO_UTILS, "decode_video_frames")(video_path, timestamps, tolerance_s, backend)
 
 
 def _torchcodec_uint8_frames(video_utils, video_path, timestamps, tolerance_s):
