@@ -69,6 +69,10 @@ REFUSED_SYSCALLS = (
     "adjtimex", "sethostname", "setdomainname",
 )
 
+# Newer than some libseccomp releases know (Linux 6.13); one number on every
+# architecture since the syscall table was unified.
+_NEWER_SYSCALLS = {"setxattrat": 463, "removexattrat": 466}
+
 _AF_UNIX = 1
 _SOCK_DGRAM = 2
 _SOCK_TYPE_MASK = 0xF
@@ -82,7 +86,7 @@ _SCMP_ACT_ALLOW = 0x7FFF0000
 _SCMP_ACT_ERRNO = 0x00050000
 _SCMP_FLTATR_CTL_TSYNC = 4
 _SCMP_FLTATR_CTL_OPTIMIZE = 8
-_SCMP_CMP_NE, _SCMP_CMP_EQ, _SCMP_CMP_MASKED_EQ = 1, 4, 7
+_SCMP_CMP_NE, _SCMP_CMP_MASKED_EQ = 1, 7
 # kernel ABI
 _PR_SET_NO_NEW_PRIVS = 38
 _SECCOMP_SET_MODE_FILTER = 1
@@ -147,6 +151,8 @@ def syscall_numbers() -> dict[str, int]:
         number = lib.seccomp_syscall_resolve_name(name.encode())
         if number >= 0:  # negative: a pseudo number, the call does not exist here
             found[name] = number
+        elif name in _NEWER_SYSCALLS and os.uname().machine in ("x86_64", "aarch64"):
+            found[name] = _NEWER_SYSCALLS[name]
     return found
 
 
