@@ -1,5 +1,5 @@
 # `make test` and `make demo` set everything up on a fresh machine: FFmpeg's shared
-# libraries (apt), then .venv/ with the pinned test environment; `make test` also builds
+# libraries and libseccomp2 (apt), then .venv/ with the pinned test environment; `make test` also builds
 # .venv-lerobot/, LeRobot 0.4.4 with its own pins, where the real lerobot-train runs.
 PYTHON ?= python3
 VENV := .venv
@@ -42,10 +42,11 @@ build-tools:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq gcc python3-dev >/dev/null; \
 	fi
 
+# libseccomp2 (on every Debian/Ubuntu system already) builds the sandboxes' seccomp filter.
 ffmpeg:
-	@if ! command -v ffmpeg >/dev/null || ! ldconfig -p | grep -q 'libavcodec\.so'; then \
-		echo "installing FFmpeg (apt)"; \
-		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg >/dev/null; \
+	@if ! command -v ffmpeg >/dev/null || ! ldconfig -p | grep -q 'libavcodec\.so' || ! ldconfig -p | grep -q 'libseccomp\.so\.2'; then \
+		echo "installing FFmpeg and libseccomp2 (apt)"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg libseccomp2 >/dev/null; \
 	fi
 
 test: $(STAMP) $(LEROBOT_STAMP)

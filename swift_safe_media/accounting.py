@@ -40,6 +40,11 @@ class Accounting:
         """Latency counts the decode, not the sandbox's start or setup before it."""
         self.started = time.monotonic()
 
+    def forget(self) -> None:
+        """Close the current step without counting it (the decode it prepares is counted)."""
+        watchdog.InFlight.end(self.marker)
+        self.marker, self.started = "", None
+
     def end(self, exc: BaseException | None = None) -> None:
         """Close the current decode: ok without ``exc``, else the failure ``exc``."""
         if self.started is None:

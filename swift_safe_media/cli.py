@@ -28,9 +28,25 @@ def main(argv=None) -> int:
                       help="decode on a Ray cluster: ADDRESS ('auto', 'HOST:PORT', 'ray://HOST:10001'), "
                            "else the one RAY_ADDRESS names, else a new local one (pip install "
                            "'swift-safe-media[ray]')")
+    commands.add_parser("confinement", help="show what confines the decode sandboxes here (JSON)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.command == "confinement":
+        return show_confinement()
     return run_scan(args)
+
+
+def show_confinement() -> int:
+    """The settings and kernel support, and what a real sandbox reads back from its kernel."""
+    from . import call, confine, shutdown
+
+    found = confine.status()
+    try:
+        found["sandbox"] = call(confine.status_here, timeout=config.start_timeout())
+    finally:
+        shutdown()
+    print(json.dumps(found, indent=2))
+    return 0
 
 
 def run_scan(args) -> int:

@@ -93,6 +93,13 @@ SANDBOXES = _declare("SWIFT_SAFE_MEDIA_SANDBOXES", INT, 1, "sandboxes per callin
 PRELOAD = _declare("SWIFT_SAFE_MEDIA_PRELOAD", LIST, DEFAULT_PRELOAD, "modules the zygote imports once")
 START_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_START_TIMEOUT", FLOAT, DEFAULT_START_TIMEOUT_S,
                          "seconds the zygote may take to start", minimum=1.0)
+# Confinement of the decode sandboxes (confine.py).
+CONFINE = _declare("SWIFT_SAFE_MEDIA_CONFINE", SWITCH, True,
+                   "`0`: decode sandboxes run unconfined (see Confinement)")
+READ_ROOTS = _declare("SWIFT_SAFE_MEDIA_READ_ROOTS", TEXT, None,  # os.pathsep-separated, like PATH
+                      "`os.pathsep`-separated folders a confined sandbox may read media from")
+CONFINE_WARNED = _declare("SWIFT_SAFE_MEDIA_CONFINE_WARNED", SWITCH, False,
+                          "the log said once that a confinement layer is missing here", internal=True)
 # DataLoader workers.
 MP_CONTEXT = _declare("SWIFT_SAFE_MEDIA_MP_CONTEXT", CHOICE, "spawn",
                       "DataLoader worker start method (`default`: the host's own)", choices=MP_CONTEXTS)
@@ -263,6 +270,19 @@ def max_sandboxes() -> int:
 
 def preload_modules() -> list[str]:
     return get(PRELOAD)
+
+
+def confine() -> bool:
+    """Whether decode sandboxes are confined (no network, no exec, no writes)."""
+    return get(CONFINE)
+
+
+def read_roots() -> list[str] | None:
+    """Folders a confined sandbox may read media from; None: anywhere."""
+    raw = get(READ_ROOTS)
+    if not raw or not raw.strip():
+        return None
+    return [os.path.abspath(os.path.expanduser(root.strip())) for root in raw.split(os.pathsep) if root.strip()]
 
 
 def mp_context() -> str:

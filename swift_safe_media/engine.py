@@ -22,7 +22,7 @@ from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setu
                    set_up_sandboxes, shutdown)
 from .sandbox import in_sandbox, mark_in_sandbox
 
-__all__ = ["call", "call_each", "isolated", "path_hint", "FAILED_PATH",
+__all__ = ["call", "call_each", "isolated", "fetch", "path_hint", "FAILED_PATH",
            # re-exported from .pool and .sandbox
            "Engine", "RemoteTraceback", "describe_status", "get_engine", "shutdown",
            "set_up_sandboxes", "forget_sandbox_setup", "in_sandbox", "mark_in_sandbox"]
@@ -52,7 +52,7 @@ def _accepts_path(fn) -> bool:
         return False
 
 
-def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
+def call(fn, *args, timeout: float | None = None, path=None, confine: bool = True, **kwargs):
     """Run ``fn(*args, **kwargs)`` in this process's sandbox and return its result.
 
     ``timeout`` (seconds) defaults to ``SWIFT_SAFE_MEDIA_TIMEOUT`` (60). On overrun the
@@ -60,23 +60,39 @@ def call(fn, *args, timeout: float | None = None, path=None, **kwargs):
     sandbox that dies raises :class:`MediaDecodeCrash`. Exceptions raised by ``fn`` come
     back as themselves, with the sandbox traceback as their ``__cause__``. ``path`` names
     the media in error messages (else the first path-like argument does); it is passed
-    on to ``fn`` only if ``fn`` has a parameter called ``path``.
+    on to ``fn`` only if ``fn`` has a parameter called ``path``. ``confine=False`` runs
+    it in an unconfined sandbox (one that may use the network, run programs, write files).
     """
     if path is not None and _accepts_path(fn):
         kwargs["path"] = path
     if in_sandbox():
         return fn(*args, **kwargs)
+    return _call(fn, args, kwargs, timeout, path_hint(args, kwargs, path), confine)
+
+
+def fetch(fn, *args, path, timeout: float | None = None):
+    """The first step of a decode of ``path`` that needs the network (a download): runs
+    in an unconfined sandbox, so only its result reaches the confined decode. Quarantine
+    and failures count as for that decode; a success is not counted (the decode is)."""
+    if in_sandbox():
+        return fn(*args)
+    return _call(fn, args, {}, timeout, path, confined=False, count_success=False)
+
+
+def _call(fn, args, kwargs, timeout, media, confined, count_success=True):
     timeout = config.timeout() if timeout is None else float(timeout)
-    media = path_hint(args, kwargs, path)
     accounting = Accounting(fn)
     accounting.check(media)
     accounting.begin(media)
     try:
-        result = get_engine().run(fn, args, kwargs, timeout, media, on_start=accounting.restart_clock)
+        result = get_engine(confined).run(fn, args, kwargs, timeout, media, on_start=accounting.restart_clock)
     except BaseException as exc:
         accounting.end(exc)
         raise
-    accounting.end()
+    if count_success:
+        accounting.end()
+    else:
+        accounting.forget()
     return result
 
 
@@ -127,10 +143,11 @@ def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
     return results
 
 
-def isolated(timeout: float | None = None):
+def isolated(timeout: float | None = None, confine: bool = True):
     """Decorator: every call of the function runs through :func:`call`.
 
-    Use as ``@isolated`` or ``@isolated(timeout=10)`` on a module-level function.
+    Use as ``@isolated`` or ``@isolated(timeout=10)`` on a module-level function;
+    ``@isolated(confine=False)`` for one that needs the network or writes files.
     """
     if callable(timeout):
         return isolated()(timeout)
@@ -141,7 +158,7 @@ def isolated(timeout: float | None = None):
             if in_sandbox():
                 return fn(*args, **kwargs)
             # The wrapper itself is what pickles by name; inside the sandbox it runs fn.
-            return call(run_isolated, *args, timeout=timeout, **kwargs)
+            return call(run_isolated, *args, timeout=timeout, confine=confine, **kwargs)
 
         return run_isolated
 

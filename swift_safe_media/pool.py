@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 
-from . import config, process, transport
+from . import config, confine, process, transport
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
 from .zygote import SandboxHandle, Zygote
 
@@ -61,7 +61,11 @@ def forget_sandbox_setup(fn) -> None:
 
 
 class Engine:
-    def __init__(self):
+    """A pool of sandboxes: confined ones (the default) or, for fetches and functions
+    that need the network, unconfined ones."""
+
+    def __init__(self, confined: bool = True):
+        self.confined = confined
         self._lock = threading.Condition()
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
@@ -124,7 +128,7 @@ class Engine:
         with self._zygote_lock:
             if self._zygote is None or not self._zygote.is_alive():
                 self._drop_zygote()
-                self._zygote = Zygote(config.start_timeout())
+                self._zygote = Zygote(config.start_timeout(), self.confined)
             try:
                 box = self._zygote.spawn(config.max_memory_mb(),
                                          deadline or time.monotonic() + config.start_timeout())
@@ -307,24 +311,30 @@ def _rebuild_exception(exc, details, path, elapsed, pid):
     return exc
 
 
-def get_engine() -> Engine:
-    """This process's pool (a forked child gets its own: see :mod:`.process`)."""
+def get_engine(confined: bool | None = None) -> Engine:
+    """This process's pool of confined sandboxes (unless ``SWIFT_SAFE_MEDIA_CONFINE=0``),
+    or with ``confined=False`` its pool of unconfined ones (a forked child gets its own:
+    see :mod:`.process`)."""
+    confined = config.confine() if confined is None else confined and config.confine()
     state = process.current()
-    engine = state.engine
+    engine = state.engines.get(confined)
     if engine is None:
         with state.engine_lock:
-            if state.engine is None:
-                state.engine = Engine()
-            engine = state.engine
+            if confined not in state.engines:
+                if confined:
+                    confine.warn_once_if_missing()
+                state.engines[confined] = Engine(confined)
+            engine = state.engines[confined]
     return engine
 
 
 def shutdown() -> None:
-    """Stop this process's sandboxes and zygote (also done at exit)."""
+    """Stop this process's sandboxes and zygotes (also done at exit)."""
     state = process.current()
     with state.engine_lock:
-        engine, state.engine = state.engine, None
-    if engine is not None:
+        engines = list(state.engines.values())
+        state.engines.clear()
+    for engine in engines:
         engine.close()
 
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ProcessState:
-    engine: object = None  # pool.Engine: this process's sandboxes, started on the first call
+    # pool.Engine by confinement (True: decodes; False: fetches, confine=False): this
+    # process's sandboxes, each pool started on its first call
+    engines: dict = field(default_factory=dict)
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
     budget: object = None  # budget.ErrorBudget: failed samples counted in this process
     recorders: dict = field(default_factory=dict)  # stats folder -> summary.Recorder
@@ -41,8 +43,8 @@ def current() -> ProcessState:
 def _after_fork_in_child() -> None:
     global _state
     inherited, _state = _state, ProcessState()
-    if inherited.engine is not None:
-        inherited.engine.abandon()
+    for engine in inherited.engines.values():
+        engine.abandon()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -23,7 +23,7 @@ import socket
 import sys
 import traceback
 
-from . import config, errors, transport
+from . import config, confine, errors, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -48,7 +48,7 @@ def remember_caller_main(main: dict | None) -> None:
     _caller_main = main
 
 
-def become_sandbox(conn, memory_cap_mb: int, parent: int) -> None:
+def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None) -> None:
     os.setsid()
     _die_with_parent()
     if os.getppid() != parent:  # the zygote died before the death signal was armed
@@ -63,6 +63,12 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int) -> None:
     watchdog.answer_stack_dumps()
 
     mark_in_sandbox()
+    if policy is not None:
+        try:
+            confine.apply(policy)
+        except OSError as exc:  # never serve unconfined when confinement was asked for
+            sys.stderr.write(f"swift_safe_media: sandbox pid {os.getpid()} could not be confined: {exc}\n")
+            os._exit(71)
     serve(conn, memory_cap_mb)
 
 
@@ -160,6 +166,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def _reply_error(conn, exc: BaseException, memory_cap_mb: int) -> None:
+    refused = confine.refusal(exc)
+    if refused is not None:
+        # The caller fills in the path; the original error stays in the traceback.
+        detail = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        cause, exc = exc, errors.MediaDecodeError(getattr(exc, "path", None), f"sandbox refused {refused}: {detail}")
+        exc.__cause__ = cause
     details = {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": exc.reason if isinstance(exc, errors.MediaDecodeError) else str(exc),

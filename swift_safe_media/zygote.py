@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from . import config, sandbox, transport
+from . import config, confine, sandbox, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -71,7 +71,7 @@ class SandboxHandle:
 
 # -- caller side ----------------------------------------------------------------------
 class Zygote:
-    def __init__(self, start_timeout: float):
+    def __init__(self, start_timeout: float, confined: bool = True):
         caller_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         code = f"from swift_safe_media.zygote import zygote_main; zygote_main({zygote_end.fileno()})"
         self.process = subprocess.Popen(
@@ -81,7 +81,7 @@ class Zygote:
         self.control = caller_end
         deadline = time.monotonic() + start_timeout
         try:
-            transport.send(self.control, transport.REQUEST, preparation(), deadline)
+            transport.send(self.control, transport.REQUEST, preparation(confined), deadline)
             self._read(READY.size, deadline)
         except BaseException:
             self.close()
@@ -131,8 +131,9 @@ def _zygote_environment() -> dict:
     return env
 
 
-def preparation() -> dict:
-    """What the zygote needs of the caller: its import path, argv, directory and main module."""
+def preparation(confined: bool = True) -> dict:
+    """What the zygote needs of the caller: its import path, argv, directory and main
+    module, and whether its sandboxes are confined."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     main_name = spec.name if spec is not None and spec.name != "__main__" else None
@@ -143,6 +144,8 @@ def preparation() -> dict:
         "cwd": os.getcwd(),
         "main": {"name": main_name, "path": None if main_name else main_path},
         "preload": config.preload_modules(),
+        "confine": confined,
+        "read_roots": config.read_roots(),
     }
 
 
@@ -153,6 +156,7 @@ def zygote_main(control_fd: int) -> None:
     _, prep = transport.receive(control)
     _apply_preparation(prep)
     _preload(prep["preload"])
+    policy = _prepare_confinement(prep)
     control.sendall(READY.pack(os.getpid()))
     children: set[int] = set()
     try:
@@ -163,7 +167,7 @@ def zygote_main(control_fd: int) -> None:
                 break
             op, value = CONTROL_REQUEST.unpack(request)
             if op == SPAWN:
-                pid, caller_end = _start_sandbox(control, prep, value)
+                pid, caller_end = _start_sandbox(control, prep, value, policy)
                 children.add(pid)
                 socket.send_fds(control, [SPAWN_REPLY.pack(pid)], [caller_end.fileno()])
                 caller_end.close()
@@ -202,6 +206,14 @@ def _apply_preparation(prep: dict) -> None:
     sandbox.remember_caller_main(main)
 
 
+def _prepare_confinement(prep: dict) -> confine.Policy | None:
+    """Built once here, after the imports (which may write caches), applied in each sandbox."""
+    if not prep["confine"]:
+        return None
+    main_path = prep["main"].get("path")
+    return confine.prepare(prep["read_roots"], [os.path.dirname(main_path)] if main_path else [])
+
+
 def _preload(names) -> None:
     for name in names:
         try:
@@ -217,7 +229,7 @@ def _fork_is_safe() -> bool:
         return True
 
 
-def _start_sandbox(control, prep, memory_cap_mb):
+def _start_sandbox(control, prep, memory_cap_mb, policy):
     caller_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if not _fork_is_safe():
         # A preloaded module started a thread: forking now could deadlock the child.
@@ -231,7 +243,7 @@ def _start_sandbox(control, prep, memory_cap_mb):
         try:
             control.close()
             caller_end.close()
-            sandbox.become_sandbox(sandbox_end, memory_cap_mb, parent=zygote)
+            sandbox.become_sandbox(sandbox_end, memory_cap_mb, zygote, policy)
         finally:
             os._exit(70)
     sandbox_end.close()
@@ -251,7 +263,7 @@ def exec_sandbox_main(fd: int, memory_cap_mb: int, parent: int) -> None:
     _apply_preparation(prep)
     _preload(prep["preload"])
     try:
-        sandbox.become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent=parent)
+        sandbox.become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent, _prepare_confinement(prep))
     finally:
         os._exit(70)
 

@@ -2,6 +2,7 @@
 
 import ctypes
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -91,6 +92,16 @@ def sleep_with_helper(pid_file, seconds=1000):
     with open(pid_file, "w") as out:
         out.write(str(helper.pid))
     time.sleep(seconds)
+
+
+def fork_helper():
+    """Forks a helper that ignores SIGTERM (a confined sandbox cannot exec one); returns its pid."""
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(1000)
+        os._exit(0)
+    return pid
 
 
 def nested_call():

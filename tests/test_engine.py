@@ -78,9 +78,16 @@ def test_fifo_without_writer_times_out(fifo):
     assert_engine_usable()
 
 
-def test_helper_processes_die_with_the_sandbox(tmp_path):
+def test_helper_processes_die_with_the_sandbox():
+    helper = call(sandboxed.fork_helper)
+    timed_failure(MediaDecodeTimeout, sandboxed.sleep_then_pid, 1000)
+    assert wait_until_dead([helper], within=2.0) == {}, "the helper ignored SIGTERM; SIGKILL to the group must reach it"
+
+
+def test_helper_programs_die_with_an_unconfined_sandbox(tmp_path):
+    # A user's own function that needs programs runs unconfined (confine=False).
     pid_file = tmp_path / "helper.pid"
-    timed_failure(MediaDecodeTimeout, sandboxed.sleep_with_helper, str(pid_file))
+    timed_failure(MediaDecodeTimeout, sandboxed.sleep_with_helper, str(pid_file), confine=False)
     helper = int(pid_file.read_text())
     assert wait_until_dead([helper], within=2.0) == {}, "the helper ignored SIGTERM; SIGKILL to the group must reach it"
 
@@ -283,7 +290,10 @@ KILL_SCRIPT = textwrap.dedent("""
     sandbox = call(sandboxed.sandbox_pid)
     print(get_engine()._zygote.process.pid, sandbox, flush=True)
     if sys.argv[2] == "busy":
-        call(sandboxed.sleep_with_helper, sys.argv[1], timeout=600)
+        helper = call(sandboxed.fork_helper)  # a confined sandbox cannot write the pid file itself
+        with open(sys.argv[1], "w") as out:
+            out.write(str(helper))
+        call(sandboxed.sleep_then_pid, 600, timeout=600)
     time.sleep(600)
 """)
 

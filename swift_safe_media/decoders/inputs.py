@@ -1,8 +1,11 @@
 """Every input form the stock loaders accept, turned into a local path or bytes.
 
 `describe()` runs in the caller and does only string work and stat() (cheap, never
-blocks on a FIFO). `materialize()` runs in the sandbox: it downloads URLs under the
-hard timeout and runs the guards, so nothing slow or hostile happens in the caller.
+blocks on a FIFO). A decode sandbox is confined (no network), so `fetched()` has a URL
+downloaded first in an unconfined sandbox of its own, under the byte cap and timeouts,
+and only the bytes reach the decoder. `materialize()` runs in the decode sandbox: it
+runs the guards (and downloads URLs itself when confinement is off), so nothing slow
+or hostile happens in the caller.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from .. import config
 from ..errors import MediaDecodeError
 from . import guards
 
@@ -137,6 +141,17 @@ def download(url: str, limits: guards.Limits, timeout: float | None) -> bytes:
         reason = getattr(exc, "reason", exc)
         raise MediaDecodeError(url, f"download failed: {reason}") from None
     return b"".join(chunks)
+
+
+def fetched(source: Source, limits: guards.Limits, timeout: float | None) -> Source:
+    """Caller side: a URL source as the bytes it serves, downloaded in an unconfined
+    sandbox (a confined decode cannot reach the network); any other source as is."""
+    if source.kind != "url" or not config.confine():
+        return source
+    from .. import engine
+
+    data = engine.fetch(download, source.value, limits, timeout, path=source.label)
+    return Source("bytes", data, source.label)
 
 
 def materialize(source: Source, limits: guards.Limits, timeout: float | None) -> str | bytes:

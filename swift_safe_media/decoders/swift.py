@@ -25,8 +25,9 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _sample(media, pick, *pick_args, pixel_bytes=3):
-    source = inputs.describe(media)
-    return engine.call(video.sample, source, guards.Limits.from_env(), inputs.url_timeout(), pick, *pick_args,
+    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
+    source = inputs.fetched(inputs.describe(media), limits, timeout)
+    return engine.call(video.sample, source, limits, timeout, pick, *pick_args,
                        pixel_bytes=pixel_bytes, path=source.label)
 
 
@@ -179,7 +180,7 @@ def load_video_hf(videos):
     res, metadata = [], []
     for item in videos:
         if isinstance(item, (list, tuple)) and isinstance(item[0], str):
-            sources = [inputs.describe(name) for name in item]
+            sources = [inputs.fetched(inputs.describe(name), limits, timeout) for name in item]
             res.append(engine.call(video.load_images, sources, limits, timeout, path=sources[0].label))
             metadata.append(None)
             continue
@@ -187,7 +188,7 @@ def load_video_hf(videos):
             res.append(item)
             metadata.append([None] * len(item))
             continue
-        source = inputs.describe(item)
+        source = inputs.fetched(inputs.describe(item), limits, timeout)
         frames, info, indices = engine.call(video.sample, source, limits, timeout, all_indices,
                                             path=source.label)
         res.append(frames)
@@ -220,7 +221,7 @@ def load_audio(audio, sampling_rate, return_sr=False, mono=True):
         entry = _audio.load_soundfile_pyav
     else:
         raise ValueError(f"Unknown audio load backend {backend!r}. Supported: librosa, soundfile_pyav")
-    source = inputs.describe(audio)
-    res = engine.call(entry, source, guards.Limits.from_env(), inputs.url_timeout(), sampling_rate, mono,
-                      path=source.label)
+    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
+    source = inputs.fetched(inputs.describe(audio), limits, timeout)
+    res = engine.call(entry, source, limits, timeout, sampling_rate, mono, path=source.label)
     return res if return_sr else res[0]

@@ -1,0 +1,480 @@
+"""Confinement of decode sandboxes: what an exploited decoder can reach.
+
+A sandbox that runs our decoders is confined before its first call, in three layers
+that each hold alone:
+
+- ``no_new_privs``: no set-uid program or file capability can raise its privileges
+  (and unprivileged seccomp and Landlock require it);
+- a seccomp filter (libseccomp through ctypes) refusing the system calls a decoder
+  never needs: sockets other than local stream sockets, connect/bind/listen/accept,
+  exec, ptrace and reading other processes' memory, mounts, namespaces, bpf, keyrings,
+  kernel modules, kexec/reboot, perf, userfaultfd, io_uring (whose operations would
+  bypass the filter);
+- Landlock (the best ABI the kernel has) refusing every file write, create, remove,
+  rename, link and truncate, TCP bind/connect (ABI 4), abstract Unix sockets and
+  signals outside the sandbox (ABI 6); reads stay allowed everywhere, or only below
+  ``SWIFT_SAFE_MEDIA_READ_ROOTS`` plus what the interpreter itself needs.
+
+A refused call fails with an errno of ``REFUSED_ERRNO_BASE`` + its syscall number
+rather than killing the sandbox, so the refusal reaches the caller as an error that
+``refusal()`` can name ("sandbox refused connect") whether it surfaced as a Python
+``OSError`` or inside an FFmpeg message ("Unknown error 3042"). Landlock refusals are
+plain EACCES; ``refusal()`` names them when the file's own permissions would allow the
+write. The policy is built once per zygote (``prepare``) and applied in each forked
+sandbox with three system calls (``apply``), so confinement costs no start-up time
+one can measure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import glob
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+from . import config
+
+log = logging.getLogger("swift_safe_media")
+
+# Errno of a refused call: this base plus the syscall number (below 4096, so libc and
+# Python still read it as an error number).
+REFUSED_ERRNO_BASE = 3000
+
+# Refused outright (the names are resolved by libseccomp for this architecture).
+REFUSED_SYSCALLS = (
+    # network: only the inherited socketpair to the caller is used
+    "connect", "bind", "listen", "accept", "accept4",
+    # other programs
+    "execve", "execveat",
+    # other processes
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "process_madvise",
+    # changing files' metadata, which Landlock does not cover (content changes it refuses)
+    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",
+    "setxattr", "lsetxattr", "fsetxattr", "setxattrat", "removexattr", "lremovexattr",
+    "fremovexattr", "removexattrat", "utime", "utimes", "futimesat", "utimensat",
+    # mounts and namespaces
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree",
+    "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    # kernel interfaces a decoder never needs
+    "bpf", "keyctl", "add_key", "request_key", "init_module", "finit_module",
+    "delete_module", "kexec_load", "kexec_file_load", "reboot", "perf_event_open",
+    "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "acct",
+    "quotactl", "syslog", "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime",
+    "adjtimex", "sethostname", "setdomainname",
+)
+
+# Newer than some libseccomp releases know (Linux 6.13); one number on every
+# architecture since the syscall table was unified.
+_NEWER_SYSCALLS = {"setxattrat": 463, "removexattrat": 466}
+
+_AF_UNIX = 1
+_SOCK_DGRAM = 2
+_SOCK_TYPE_MASK = 0xF
+# clone flags that create namespaces; clone3 hides its flags in memory a filter
+# cannot read, so it gets ENOSYS and glibc falls back to clone.
+_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
+                          0x20000000, 0x40000000, 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
+
+# libseccomp (seccomp.h)
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_ACT_ERRNO = 0x00050000
+_SCMP_FLTATR_CTL_TSYNC = 4
+_SCMP_FLTATR_CTL_OPTIMIZE = 8
+_SCMP_CMP_NE, _SCMP_CMP_MASKED_EQ = 1, 7
+# kernel ABI
+_PR_SET_NO_NEW_PRIVS = 38
+_SECCOMP_SET_MODE_FILTER = 1
+_SECCOMP_FILTER_FLAG_TSYNC = 1
+_SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+
+# Landlock file-system rights, with the ABI that introduced each.
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_WRITE_RIGHTS = (  # (name, bit, abi)
+    ("write_file", 1 << 1, 1), ("remove_dir", 1 << 4, 1), ("remove_file", 1 << 5, 1),
+    ("make_char", 1 << 6, 1), ("make_dir", 1 << 7, 1), ("make_reg", 1 << 8, 1),
+    ("make_sock", 1 << 9, 1), ("make_fifo", 1 << 10, 1), ("make_block", 1 << 11, 1),
+    ("make_sym", 1 << 12, 1), ("refer", 1 << 13, 2), ("truncate", 1 << 14, 3),
+)
+_NET_RIGHTS = (("bind_tcp", 1 << 0, 4), ("connect_tcp", 1 << 1, 4))
+_SCOPES = (("abstract_unix_socket", 1 << 0, 6), ("signal", 1 << 1, 6))
+_RULESET_ATTR_SIZE = {1: 8, 2: 8, 3: 8, 4: 16, 5: 16}  # ABI 6 and later: 24
+
+
+class _ArgCompare(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
+                ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libseccomp = None
+
+
+def _seccomp_library():
+    global _libseccomp
+    if _libseccomp is None:
+        name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+        lib = ctypes.CDLL(name, use_errno=True)
+        lib.seccomp_init.restype = ctypes.c_void_p
+        lib.seccomp_init.argtypes = [ctypes.c_uint32]
+        lib.seccomp_release.argtypes = [ctypes.c_void_p]
+        lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+        lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
+                                               ctypes.c_uint, ctypes.POINTER(_ArgCompare)]
+        lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+        _libseccomp = lib
+    return _libseccomp
+
+
+def syscall_numbers() -> dict[str, int]:
+    """This architecture's numbers of the refused syscalls (those it has)."""
+    lib = _seccomp_library()
+    found = {}
+    for name in REFUSED_SYSCALLS + ("socket", "socketpair", "clone", "clone3", "seccomp"):
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0:  # negative: a pseudo number, the call does not exist here
+            found[name] = number
+        elif name in _NEWER_SYSCALLS and os.uname().machine in ("x86_64", "aarch64"):
+            found[name] = _NEWER_SYSCALLS[name]
+    return found
+
+
+def _syscall(number, *args) -> int:
+    result = _libc.syscall(ctypes.c_long(number), *args)
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
+
+
+# -- kernel support --------------------------------------------------------------------
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 without Landlock."""
+    result = _libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
+                           ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    return max(result, 0)
+
+
+def seccomp_available() -> str | None:
+    """None when seccomp filters can be used here, else why not."""
+    try:
+        _seccomp_library()
+    except OSError as exc:
+        return f"libseccomp not found ({exc})"
+    if _libc.prctl(21, 0, 0, 0, 0) < 0:  # PR_GET_SECCOMP
+        return "the kernel has no seccomp"
+    return None
+
+
+# -- building the policy (once per zygote) ------------------------------------------------
+
+@dataclass
+class Policy:
+    """What ``apply`` installs in each sandbox; built by ``prepare``."""
+
+    seccomp_program: bytes | None = None
+    seccomp_number: int = -1
+    landlock_fd: int = -1
+    landlock_abi: int = 0
+    read_roots: list[str] | None = None
+    missing: list[str] = field(default_factory=list)  # layers this kernel lacks, and why
+    # The filter as the kernel takes it, made here so a forked sandbox only passes a pointer.
+    _program_buffer: object = None
+    _fprog: object = None
+
+
+def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
+    """Build the seccomp program and the Landlock ruleset; never raises (a layer that
+    cannot be built is listed in ``missing`` and left out)."""
+    policy = Policy(read_roots=read_roots)
+    problem = seccomp_available()
+    if problem is None:
+        try:
+            policy.seccomp_program = _build_seccomp_program()
+            policy.seccomp_number = syscall_numbers()["seccomp"]
+            program = policy._program_buffer = ctypes.create_string_buffer(
+                policy.seccomp_program, len(policy.seccomp_program))
+            policy._fprog = _SockFprog(len(policy.seccomp_program) // 8, ctypes.cast(program, ctypes.c_void_p))
+        except (OSError, KeyError) as exc:
+            problem = f"seccomp filter not built: {exc}"
+    if problem:
+        policy.missing.append(problem)
+    abi = landlock_abi()
+    if abi <= 0:
+        policy.missing.append("the kernel has no Landlock")
+    else:
+        try:
+            policy.landlock_fd = _build_landlock_ruleset(abi, read_roots, extra_readable)
+            policy.landlock_abi = abi
+        except OSError as exc:
+            policy.missing.append(f"Landlock ruleset not built: {exc}")
+    return policy
+
+
+def _refused(number: int) -> int:
+    return _SCMP_ACT_ERRNO | (REFUSED_ERRNO_BASE + number)
+
+
+def _build_seccomp_program() -> bytes:
+    lib = _seccomp_library()
+    numbers = syscall_numbers()
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise OSError(errno.ENOMEM, "seccomp_init failed")
+
+    def add(action, number, *compares):
+        array = (_ArgCompare * max(len(compares), 1))(*[_ArgCompare(*c) for c in compares])
+        rc = lib.seccomp_rule_add_array(ctx, action, number, len(compares), array)
+        if rc < 0:
+            raise OSError(-rc, f"seccomp rule for syscall {number}: {os.strerror(-rc)}")
+
+    try:
+        # Every thread, also those a preloaded library started (the exec fallback).
+        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_TSYNC, 1)
+        # A binary search over syscall numbers rather than a list: fewer instructions run
+        # on every system call (libseccomp >= 2.5; older ones keep the list).
+        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_OPTIMIZE, 2)
+        for name in REFUSED_SYSCALLS:
+            if name in numbers:
+                add(_refused(numbers[name]), numbers[name])
+        for name in ("socket", "socketpair"):
+            # Local stream sockets only: no network family, no datagram to a named socket.
+            add(_refused(numbers[name]), numbers[name], (0, _SCMP_CMP_NE, _AF_UNIX, 0))
+            add(_refused(numbers[name]), numbers[name],
+                (1, _SCMP_CMP_MASKED_EQ, _SOCK_TYPE_MASK, _SOCK_DGRAM))
+        for flag in _CLONE_NAMESPACE_FLAGS:
+            add(_refused(numbers["clone"]), numbers["clone"], (0, _SCMP_CMP_MASKED_EQ, flag, flag))
+        if "clone3" in numbers:
+            add(_SCMP_ACT_ERRNO | errno.ENOSYS, numbers["clone3"])
+        out = os.memfd_create("swift-safe-media-seccomp")
+        try:
+            rc = lib.seccomp_export_bpf(ctx, out)
+            if rc < 0:
+                raise OSError(-rc, f"seccomp_export_bpf: {os.strerror(-rc)}")
+            os.lseek(out, 0, os.SEEK_SET)
+            chunks = []
+            while chunk := os.read(out, 1 << 16):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(out)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _rights(table, abi: int) -> int:
+    bits = 0
+    for _, bit, since in table:
+        if abi >= since:
+            bits |= bit
+    return bits
+
+
+def _build_landlock_ruleset(abi: int, read_roots, extra_readable) -> int:
+    handled_fs = _rights(_FS_WRITE_RIGHTS, abi) | _FS_EXECUTE
+    if read_roots is not None:
+        handled_fs |= _FS_READ_FILE | _FS_READ_DIR
+    values = [handled_fs, _rights(_NET_RIGHTS, abi), _rights(_SCOPES, abi)]
+    size = _RULESET_ATTR_SIZE.get(abi, 24)
+    attr = (ctypes.c_uint64 * 3)(*values)
+    fd = _syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size),
+                  ctypes.c_uint32(0))
+    try:
+        # Writing to /dev/null (and GPU device nodes, for users' CUDA decodes) changes nothing.
+        for device in ["/dev/null", *glob.glob("/dev/nvidia*"), *glob.glob("/dev/dri/renderD*")]:
+            reads = _FS_READ_FILE if read_roots is not None else 0
+            _allow_beneath(fd, device, _FS_WRITE_FILE | reads)
+        if read_roots is not None:
+            for root in readable_roots(read_roots, extra_readable):
+                _allow_beneath(fd, root, _FS_READ_FILE | _FS_READ_DIR)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def readable_roots(read_roots, extra_readable=()) -> list[str]:
+    """The configured roots plus what the interpreter and its libraries read."""
+    system = ["/usr", "/lib", "/lib64", "/lib32", "/etc", "/proc", "/sys", "/dev", "/opt",
+              sys.prefix, sys.base_prefix, sys.exec_prefix,
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    found = []
+    for root in [*read_roots, *system, *sys.path, *extra_readable]:
+        if root and os.path.exists(root):
+            real = os.path.realpath(root)
+            if real not in found:
+                found.append(real)
+    return found
+
+
+def _allow_beneath(ruleset_fd: int, path: str, rights: int) -> None:
+    try:
+        target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if not os.path.isdir(path):  # a file takes file rights only
+            rights &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | (1 << 14)
+        rule = _PathBeneath(rights, target)
+        _syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset_fd),
+                 ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
+    finally:
+        os.close(target)
+
+
+# -- applying it (in each sandbox) ---------------------------------------------------------
+
+_applied: dict | None = None  # what this process runs under, for status_here()
+
+
+def apply(policy: Policy) -> None:
+    """Confine this process for good. Raises OSError if a layer the policy has cannot
+    be installed (the sandbox must then not serve calls)."""
+    global _applied
+    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"PR_SET_NO_NEW_PRIVS: {os.strerror(err)}")
+    if policy.landlock_fd >= 0:
+        _syscall(_SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(policy.landlock_fd), ctypes.c_uint32(0))
+        os.close(policy.landlock_fd)
+    if policy.seccomp_program:
+        _syscall(policy.seccomp_number, ctypes.c_uint(_SECCOMP_SET_MODE_FILTER),
+                 ctypes.c_uint(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(policy._fprog))
+    # Imports after this point cannot write their bytecode caches: do not try.
+    sys.dont_write_bytecode = True
+    _applied = {"seccomp": bool(policy.seccomp_program), "landlock_abi": policy.landlock_abi,
+                "read_roots": policy.read_roots}
+
+
+def status_here() -> dict:
+    """What confines the calling process, read back from the kernel (run in a sandbox)."""
+    flags = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("NoNewPrivs", "Seccomp", "Seccomp_filters"):
+                flags[key] = int(value.split()[0])
+    applied = _applied or {"seccomp": False, "landlock_abi": 0, "read_roots": None}
+    return {"pid": os.getpid(), "no_new_privs": flags.get("NoNewPrivs") == 1,
+            "seccomp": flags.get("Seccomp") == 2, "landlock_abi": applied["landlock_abi"],
+            "read_roots": applied["read_roots"]}
+
+
+def status() -> dict:
+    """What decode sandboxes started from this process run under (for ``doctor``);
+    ``swift-safe-media confinement`` adds what a real sandbox reads back."""
+    on = config.confine()
+    seccomp_problem = seccomp_available()
+    abi = landlock_abi()
+    return {
+        "enabled": on,
+        "no_new_privs": on,
+        "seccomp": on and seccomp_problem is None,
+        "landlock_abi": abi if on else 0,
+        "read_roots": config.read_roots() if on else None,
+        "refused": describe_refused() if on else None,
+        "missing": [p for p in (seccomp_problem, None if abi else "the kernel has no Landlock") if p],
+    }
+
+
+def warn_once_if_missing() -> None:
+    """Log once per run (child processes inherit the mark) which layers are missing."""
+    if config.get(config.CONFINE_WARNED) or not config.confine():
+        return
+    config.put(config.CONFINE_WARNED, True)
+    missing = status()["missing"]
+    if missing:
+        log.warning("swift_safe_media: decode sandboxes run without part of their confinement: %s",
+                    "; ".join(missing))
+
+
+# -- naming a refusal ----------------------------------------------------------------------
+
+# How the refused errno shows in messages: Python's "[Errno 3042]", strerror's
+# "Unknown error 3042", FFmpeg's "Error number -3042 occurred".
+_ERRNO_IN_TEXT = re.compile(r"(?:Errno |Unknown error |Error number -?)(\d{4})")
+
+
+def refusal(exc: BaseException) -> str | None:
+    """"connect", "a file write (/x)" ...: what confinement refused, if that is why
+    ``exc`` (or an exception it was raised from) happened; else None."""
+    if not _applied:
+        return None
+    names = None
+    seen = 0
+    while exc is not None and seen < 8:
+        seen += 1
+        numbers = []
+        if isinstance(exc, OSError) and exc.errno is not None:
+            numbers.append(exc.errno)
+        numbers += [int(n) for n in _ERRNO_IN_TEXT.findall(str(exc))]
+        for number in numbers:
+            syscall = number - REFUSED_ERRNO_BASE
+            if 0 <= syscall < 4096 - REFUSED_ERRNO_BASE:
+                if names is None:
+                    names = {n: name for name, n in syscall_numbers().items()}
+                return names.get(syscall, f"syscall {syscall}")
+        if isinstance(exc, PermissionError) and exc.filename is not None:
+            if _applied["read_roots"] is not None and _unreadable_but_for_landlock(exc.filename):
+                return f"a file access outside {config.READ_ROOTS} ({exc.filename})"
+            if _writable_but_for_landlock(exc.filename) or (
+                    exc.filename2 is not None and _writable_but_for_landlock(exc.filename2)):
+                target = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+                return f"a file write ({target})"
+        elif isinstance(exc, PermissionError) and exc.errno == errno.EACCES and _applied["landlock_abi"]:
+            return "a file write"  # os.mkfifo, os.mknod and others name no file
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _unreadable_but_for_landlock(path) -> bool:
+    path = os.fspath(path)
+    if not os.access(path, os.R_OK):
+        return False
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _writable_but_for_landlock(path) -> bool:
+    """access() checks the file's own permissions only, not Landlock."""
+    path = os.fspath(path)
+    if os.path.lexists(path) and os.access(path, os.W_OK, follow_symlinks=False):
+        return True
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.access(parent, os.W_OK)
+
+
+def describe_refused() -> dict:
+    """The refused syscalls and Landlock rights, as this kernel gets them (README, report)."""
+    abi = landlock_abi()
+    return {
+        "syscalls": list(REFUSED_SYSCALLS) + [
+            "socket/socketpair other than AF_UNIX, or SOCK_DGRAM",
+            "clone with namespace flags", "clone3 (ENOSYS: glibc falls back to clone)"],
+        "landlock_fs": [name for name, _, since in _FS_WRITE_RIGHTS if abi >= since] + ["execute"],
+        "landlock_net": [name for name, _, since in _NET_RIGHTS if abi >= since],
+        "landlock_scopes": [name for name, _, since in _SCOPES if abi >= since],
+    }
