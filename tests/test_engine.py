@@ -15,6 +15,7 @@ import pytest
 import swift_safe_media
 from swift_safe_media import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout,
                               MediaQuarantined, call, isolated)
+from swift_safe_media import config
 from swift_safe_media.engine import RemoteTraceback, get_engine
 
 from . import sandboxed
@@ -46,7 +47,7 @@ def test_sandbox_is_persistent_and_isolated():
     first, second = call(sandboxed.process_facts), call(sandboxed.process_facts)
     assert first["pid"] == second["pid"] != os.getpid()
     assert first["pgid"] == first["pid"], "the sandbox leads its own process group"
-    assert first["threads"] == 1 and first["omp"] == "1"
+    assert first["threads"] == 1 and first["omp"] == str(config.decoder_threads())
     zygote = get_engine()._zygote.process
     assert first["ppid"] == zygote.pid
     with open(f"/proc/{zygote.pid}/cmdline", "rb") as cmdline:

@@ -92,7 +92,18 @@ class MethodPatcher:
         setattr(cls, name, replacement)
         self._originals.append((cls, name, current))
 
+    def add(self, cls, name: str, function) -> None:
+        """Give ``cls`` the method ``name`` where it does not define one itself (a host
+        version that lacks what a later one has); ``restore`` takes it away again."""
+        if name in cls.__dict__:
+            return  # defined by the host, or added already
+        setattr(cls, name, function)
+        self._originals.append((cls, name, None))
+
     def restore(self) -> None:
         while self._originals:
             cls, name, original = self._originals.pop()
-            setattr(cls, name, original)
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
