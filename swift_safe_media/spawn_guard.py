@@ -31,8 +31,8 @@ def unguarded_main_statement() -> tuple[str, int] | None:
     spawned child would run again; None when it is guarded, finished, or not a file."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if not path or not path.endswith(".py"):
-        return None  # python -c, the REPL, a frozen program: nothing is re-run
+    if not path:
+        return None  # python -c, the REPL: nothing is re-run (console scripts have no .py: still checked)
     frame = sys._current_frames().get(threading.main_thread().ident)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
