@@ -203,7 +203,7 @@ def child_swift(args, inputs: dict) -> dict:
                         **_context(args))
     if args.breakdown_dir:
         _note_what_workers_receive(args.breakdown_dir, {"dataset": rows, "collate_fn": template.data_collator})
-    return _timed_batches(iter(loader), len(rows), args.breakdown_dir)
+    return _timed_batches(loader, len(rows), args.breakdown_dir)
 
 
 def child_lerobot(args, inputs: dict) -> dict:
@@ -221,7 +221,7 @@ def child_lerobot(args, inputs: dict) -> dict:
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                         generator=torch.Generator().manual_seed(0), drop_last=True, **_context(args))
     batches = cycle(loader)  # how lerobot-train draws batches (and where protection picks the start method)
-    result = _timed_batches(batches, args.lerobot_batches, None)
+    result = _timed_batches(batches, args.lerobot_batches, None)  # its workers start at the first next()
     result["samples_per_batch"] = args.batch_size
     result["steady_samples_per_s"] *= args.batch_size
     return result
@@ -235,9 +235,11 @@ def _context(args) -> dict:
 
 
 def _timed_batches(batches, count: int, breakdown_dir) -> dict:
+    """The clock starts before the workers do (iter() of a DataLoader starts them)."""
     started = time.perf_counter()
     if breakdown_dir:
         _record(breakdown_dir, "parent", "iteration_started", time.time())
+    batches = iter(batches)
     next(batches)
     first = time.perf_counter()
     if breakdown_dir:

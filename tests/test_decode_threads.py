@@ -1,7 +1,7 @@
 """The decode thread budget: without SWIFT_SAFE_MEDIA_THREADS, each sandbox gets the
 node's usable cores divided by the processes decoding on it (the DataLoader workers of
-every local rank, or the caller itself), at least one; its FFmpeg, torch and OpenMP
-threads follow. A real DataLoader, real zygotes and sandboxes, in a fresh interpreter."""
+every local rank, or the caller itself), at least one; its FFmpeg and torch threads
+follow, while the zygote stays single-threaded. A real DataLoader, real zygotes and sandboxes, in a fresh interpreter."""
 
 import json
 import os
@@ -38,6 +38,8 @@ PROGRAM = textwrap.dedent("""
 
     if __name__ == "__main__":
         found = {"cores": config.usable_cores(), "alone": call(sandboxed.decode_threads)}
+        zygote = swift_safe_media.engine.get_engine()._zygote.process.pid
+        found["zygote_threads"] = len(os.listdir(f"/proc/{zygote}/task"))  # still safe to fork
         loader = DataLoader(Ask(), batch_size=None, num_workers=2, multiprocessing_context="fork")
         found["workers"] = [json.loads(item) for item in loader]
         found["two_ranks"] = fresh(LOCAL_WORLD_SIZE="2")
@@ -60,10 +62,11 @@ def test_threads_default_to_the_cores_shared_among_decoding_processes(tmp_path):
     cores = found["cores"]
     assert 1 <= cores <= len(os.sched_getaffinity(0))
 
-    def threads(count):
-        return {"threads": count, "omp": str(count), "torch": count}
+    def threads(count):  # OpenMP's variable stays 1: the zygote imported with it; torch's pool follows the budget
+        return {"threads": count, "omp": "1", "torch": count}
 
     assert found["alone"] == threads(cores)  # one decoding process: every core, as stock decoders use
     assert found["workers"] == [threads(max(1, cores // 2))] * 2
     assert found["two_ranks"] == threads(max(1, cores // 2))
     assert found["explicit"] == threads(3)  # the setting wins
+    assert found["zygote_threads"] == 1 and "starting sandboxes by exec" not in done.stderr
