@@ -276,8 +276,9 @@ def _instrument_worker(worker_id: int) -> None:
     _record(folder, who, "ready", now)
     modules = [name for name in sys.modules if name.startswith("swift_safe_media")]
     _record(folder, who, "our_modules_loaded", len(modules))
-    from swift_safe_media import engine
     from swift.dataset.utils import LazyLLMDataset
+
+    from swift_safe_media import pool, zygote
 
     def timed(owner, name, event, first_only=False):
         original = getattr(owner, name)
@@ -293,9 +294,9 @@ def _instrument_worker(worker_id: int) -> None:
                     _record(folder, who, event, [started, time.time()])
         setattr(owner, name, wrapper)
 
-    timed(engine._Zygote, "__init__", "zygote_start")
-    timed(engine._Zygote, "spawn", "sandbox_fork")
-    timed(engine.Engine, "_exchange", "exchange", first_only=False)
+    timed(zygote.Zygote, "__init__", "zygote_start")
+    timed(zygote.Zygote, "spawn", "sandbox_fork")
+    timed(pool.Engine, "_exchange", "exchange", first_only=False)
     timed(LazyLLMDataset, "__getitem__", "first_getitem", first_only=True)
 
 
@@ -444,7 +445,8 @@ def main() -> None:
                 print(f"  [{pipeline} round {number + 1} {side}] first batch {result['first_batch_s']:.2f} s, "
                       f"{result['steady_samples_per_s']:.2f} samples/s, peak PSS {result['peak_pss_mb']:.0f} MB "
                       f"({result['processes']} processes), load {_load()}", flush=True)
-        report(pipeline, results, what)
+        if args.rounds:
+            report(pipeline, results, what)
         if args.breakdown and pipeline == "swift":
             with tempfile.TemporaryDirectory() as folder:
                 args.breakdown_dir = folder
