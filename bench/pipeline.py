@@ -198,9 +198,15 @@ def child_swift(args, inputs: dict) -> dict:
     template.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(inputs["model"])  # as swift sft does
     dataset = load_dataset(inputs["dataset"], num_proc=1)[0]
     rows = LazyLLMDataset(dataset, template.encode, random_state=42)
+    context = _context(args)
+    if args.side == "protected" and not args.context:
+        # What the adapter's parse_args adds (--dataloader_multiprocessing_context) for swift sft.
+        from swift_safe_media import config
+
+        if config.mp_context() != "default":
+            context = {"multiprocessing_context": config.mp_context()}
     loader = DataLoader(rows, batch_size=1, num_workers=args.workers, collate_fn=template.data_collator,
-                        worker_init_fn=_instrument_worker if args.breakdown_dir else None,
-                        **_context(args))
+                        worker_init_fn=_instrument_worker if args.breakdown_dir else None, **context)
     if args.breakdown_dir:
         _note_what_workers_receive(args.breakdown_dir, {"dataset": rows, "collate_fn": template.data_collator})
     return _timed_batches(loader, len(rows), args.breakdown_dir)
