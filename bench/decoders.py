@@ -5,10 +5,10 @@ OpenCV, librosa, qwen_vl_utils, run in this process) and of the safe twin (sandb
 torchcodec/soundfile, results through shared memory, PIL built here), alternating
 stock and safe calls after one warm-up call of each (best-of-N, because a shared
 2-core machine adds noise to both sides that is not the decoders' cost). Prints a
-markdown table. The sandbox decodes with SWIFT_SAFE_MEDIA_THREADS FFmpeg threads (1 by
-default); decord and OpenCV use all cores.
+markdown table. The sandbox decodes with SWIFT_SAFE_MEDIA_THREADS FFmpeg threads (by
+default every usable core here: one process decodes); decord and OpenCV use all cores.
 
-    python bench/decoders.py [--repeats 7]
+    python bench/decoders.py [--repeats 7] [--only internvl --only fetch_video] [--clips h264_720p.mp4]
 """
 
 from __future__ import annotations
@@ -61,10 +61,21 @@ def time_pair(stock_fn, safe_fn, repeats):
     return min(stock_times), min(safe_times)
 
 
+def safe_threads() -> int:
+    """What the sandbox of this process decodes with (SWIFT_SAFE_MEDIA_THREADS, else the budget)."""
+    from swift_safe_media import config
+
+    return config.decoder_threads()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="only loaders whose name contains TEXT (repeat for more)")
+    parser.add_argument("--clips", nargs="+", help=f"video clips (default: {' '.join(VIDEO_CLIPS)})")
     args = parser.parse_args()
+    print(f"decode threads in the sandbox: {safe_threads()}", file=sys.stderr)
 
     import qwen_omni_utils
     import qwen_vl_utils
@@ -78,6 +89,8 @@ def main():
         rows = []
 
         def add(loader, clip, stock_fn, safe_fn):
+            if args.only and not any(text in loader for text in args.only):
+                return
             def stock_call():
                 # Stock cogvlm2/valley leave decord's bridge on torch, which breaks the others.
                 if "decord" in sys.modules:
@@ -88,7 +101,7 @@ def main():
             rows.append((loader, clip, stock_s, safe_s))
             print(f"  {loader:40s} {clip:24s} {safe_s / stock_s:.2f}x", file=sys.stderr)
 
-        for clip in VIDEO_CLIPS:
+        for clip in args.clips or VIDEO_CLIPS:
             path = corpus[clip]
             for loader, run in video_cases(stock_vu, safe):
                 add(loader, clip, lambda: run(stock_vu, path), lambda: run(safe, path))

@@ -23,7 +23,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     """Protect media decoding in this process and in every child it starts.
 
     Calling it again (with a registry known only later, say) updates the settings."""
-    from . import watchdog
+    from . import spawn_guard, watchdog
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
@@ -32,6 +32,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     _choose_stats_dir()
     integrations.enable_hosts(hosts)
     watchdog.install()
+    spawn_guard.install()
 
 
 _chosen_stats_dir: str | None = None

@@ -27,6 +27,7 @@ A ``default`` may be a function, called when the default is needed.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 FLOAT, INT, CHOICE, SWITCH, TEXT, PATH, LIST = "float", "int", "choice", "switch", "text", "path", "list"
@@ -69,6 +70,46 @@ def default_max_memory_mb() -> int:
     return int(min(max(total_mb // 4, 2048), 32768))
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, within a cgroup v2 CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as limit:
+            quota, period = limit.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def decoding_processes() -> int:
+    """Processes of this node that decode at once: the DataLoader workers of this rank (1,
+    the caller itself, outside a worker) times the sandboxes each keeps times the local
+    ranks (``LOCAL_WORLD_SIZE``, set by torchrun, ms-swift's launcher and accelerate)."""
+    workers = 1
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
+    if info is not None:
+        workers = max(1, info.num_workers)
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # not ours: the launcher's
+    except ValueError:
+        ranks = 1
+    return workers * max_sandboxes() * ranks
+
+
+def decode_thread_budget() -> int:
+    """The node's usable cores shared among the processes decoding on it, at least 1: one
+    clip on an idle machine decodes as fast as stock, a full DataLoader does not
+    oversubscribe. The caller resolves it (only it knows its DataLoader) and hands the
+    number to its zygote and sandboxes in ``SWIFT_SAFE_MEDIA_THREADS``."""
+    return max(1, usable_cores() // decoding_processes())
+
+
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_START_TIMEOUT_S = 180.0
 DEFAULT_PRELOAD = "numpy,PIL.Image,torch,torchcodec.decoders,swift_safe_media.decoders"
@@ -87,8 +128,9 @@ TIMEOUT = _declare("SWIFT_SAFE_MEDIA_TIMEOUT", FLOAT, DEFAULT_TIMEOUT_S,
                    "seconds a call may run before its sandbox is killed", minimum=0.001)
 MAX_MEMORY_MB = _declare("SWIFT_SAFE_MEDIA_MAX_MEMORY_MB", INT, default_max_memory_mb,
                          "address space a sandbox may add; 0: no cap", minimum=0)
-THREADS = _declare("SWIFT_SAFE_MEDIA_THREADS", INT, 1,
-                   "thread pools in the sandbox (OpenMP, MKL, OpenBLAS, torch, OpenCV)", minimum=1)
+THREADS = _declare("SWIFT_SAFE_MEDIA_THREADS", INT, decode_thread_budget,
+                   "FFmpeg and torch threads of a decode; default: usable cores / decoding processes "
+                   "(DataLoader workers x sandboxes x `LOCAL_WORLD_SIZE`), at least 1", minimum=1)
 SANDBOXES = _declare("SWIFT_SAFE_MEDIA_SANDBOXES", INT, 1, "sandboxes per calling process", minimum=1)
 PRELOAD = _declare("SWIFT_SAFE_MEDIA_PRELOAD", LIST, DEFAULT_PRELOAD, "modules the zygote imports once")
 START_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_START_TIMEOUT", FLOAT, DEFAULT_START_TIMEOUT_S,

@@ -124,8 +124,11 @@ class Zygote:
 
 def _zygote_environment() -> dict:
     env = dict(os.environ)
-    threads = str(config.decoder_threads())
-    env.update({name: threads for name in config.THREAD_ENV_VARS})
+    # The budget is resolved here, where the DataLoader's worker count is known, and each
+    # sandbox sizes its pools to it after the fork; the zygote imports with pools of one
+    # thread, since a pool started at import would leave it unsafe to fork.
+    env.update({name: "1" for name in config.THREAD_ENV_VARS})
+    env[config.THREADS] = str(config.decoder_threads())
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     return env

@@ -26,6 +26,17 @@ def process_facts():
             "omp": os.environ.get("OMP_NUM_THREADS")}
 
 
+def decode_threads():
+    """The thread budget as a decode in this sandbox sees it."""
+    import sys
+
+    from swift_safe_media import config
+
+    torch = sys.modules.get("torch")
+    return {"threads": config.decoder_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "torch": torch.get_num_threads() if torch is not None else None}
+
+
 def tagged_array(tag, n=1 << 18):
     return np.full(n, tag, dtype=np.int64), os.getpid()
 

@@ -15,6 +15,7 @@ import pytest
 import swift_safe_media
 from swift_safe_media import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout,
                               MediaQuarantined, call, isolated)
+from swift_safe_media import config
 from swift_safe_media.engine import RemoteTraceback, get_engine
 
 from . import sandboxed
@@ -43,7 +44,8 @@ def test_result_round_trip():
     assert call(sandboxed.echo, {"a": [1, 2], "b": "x"}) == {"a": [1, 2], "b": "x"}
 
 
-def test_sandbox_is_persistent_and_isolated():
+def test_sandbox_is_persistent_and_isolated(fresh_engine, monkeypatch):
+    monkeypatch.setenv(config.THREADS, "1")  # no thread pool of its own: any thread would be inherited
     first, second = call(sandboxed.process_facts), call(sandboxed.process_facts)
     assert first["pid"] == second["pid"] != os.getpid()
     assert first["pgid"] == first["pid"], "the sandbox leads its own process group"

@@ -89,6 +89,28 @@ def test_flags_parse_apply_reach_the_environment_and_take_precedence():
 
 
 @pytest.mark.timeout(150)
+def test_workers_persist_under_protection_unless_the_user_chose():
+    done = run("""
+        @dataclasses.dataclass
+        class WorkerArgs:     # ms-swift 4.0-4.5 default to workers that stop after each epoch and eval
+            dataloader_num_workers: Optional[int] = None
+            dataloader_persistent_workers: bool = False
+
+        show(*parse_args(WorkerArgs, ["--safe_media", "true"]))
+        show(*parse_args(WorkerArgs, ["--dataloader_persistent_workers", "false"]))  # the user's choice wins
+        show(*parse_args(WorkerArgs, ["--dataloader_persistent_workers=false"]))
+        show(*parse_args(WorkerArgs, ["--dataloader_num_workers", "0"]))  # persistent needs workers
+        show(*parse_args(WorkerArgs, ["--safe_media", "false"]))  # off: ms-swift's default
+    """)
+    protected, users, users_equals, no_workers, off = results(done)
+    assert protected["args"]["dataloader_persistent_workers"] is True and protected["remaining"] == []
+    assert users["args"]["dataloader_persistent_workers"] is False
+    assert users_equals["args"]["dataloader_persistent_workers"] is False
+    assert no_workers["args"] == {"dataloader_num_workers": 0, "dataloader_persistent_workers": False}
+    assert off["args"]["dataloader_persistent_workers"] is False and off["enabled"] is False
+
+
+@pytest.mark.timeout(150)
 def test_never_silent_flags_reach_the_environment():
     done = run("""
         show(*parse_args(TrainArgs, ["--safe_media", "true", "--safe_media_quarantine", "runs/q.jsonl",

@@ -187,3 +187,67 @@ def test_older_swift_4_2_2_is_patched_at_every_alias_and_takes_the_flags(older_s
     missing = EXPECTED_SITES - not_in_4_2_2 - set(sites)
     assert not missing, sorted(missing)
     assert set(sites.values()) == {"safe"}
+
+
+# A spawned worker receives LazyLLMDataset(dataset, template.encode) pickled. ms-swift 4.6's
+# Template.__getstate__ drops the model; 4.2.2 has none, and sets template.model for the
+# Qwen2-VL/Omni templates, so without the adapter every worker would get the whole model.
+TEMPLATE_IN_A_WORKER = textwrap.dedent("""
+    import copy, json, pickle, sys
+    from multiprocessing import context, reduction
+    from torch.utils.data import DataLoader, Dataset
+    from swift.dataset.utils import LazyLLMDataset
+    from swift.model import get_processor
+    from swift.template import get_template
+
+    class Probe(Dataset):  # what the worker holds: its template's model, and a row encoded by it
+        def __init__(self, dataset):
+            self.dataset = dataset
+        def __len__(self):
+            return 1
+        def __getitem__(self, index):
+            return {"model_in_worker": self.dataset.encode_func.__self__.model is not None,
+                    "encoded": sorted(self.dataset[index])}
+
+    def spawn_pickled_size(value):  # what multiprocessing writes for a spawned child
+        context.set_spawning_popen(object())
+        try:
+            return len(reduction.ForkingPickler.dumps(value))
+        finally:
+            context.set_spawning_popen(None)
+
+    if __name__ == "__main__":
+        from transformers import Qwen2_5OmniForConditionalGeneration
+        import swift
+        model_dir = sys.argv[1]
+        template = get_template(get_processor(model_dir, model_type="qwen2_5_omni", download_model=False))
+        template.set_mode("train")
+        template.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir)  # as ms-swift's sft does
+        rows = [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]}]
+        dataset = LazyLLMDataset(rows, template.encode)
+        loader = DataLoader(Probe(dataset), batch_size=None, num_workers=1, multiprocessing_context="spawn")
+        print(json.dumps({"swift": swift.__file__, "uses_model": template.use_model,
+                          "weights": sum(p.numel() * p.element_size() for p in template.model.parameters()),
+                          "spawn_pickled": spawn_pickled_size(dataset), "pickled": len(pickle.dumps(dataset)),
+                          "copy_keeps_model": copy.copy(template).model is template.model,
+                          **next(iter(loader))}))
+""")
+
+
+@pytest.mark.timeout(400)
+def test_older_swift_ships_the_template_to_spawned_workers_without_the_model(older_swift, tmp_path):
+    from . import tiny_models
+
+    model_dir = tiny_models.build(str(tmp_path / "tiny"))
+    script = tmp_path / "template_in_a_worker.py"
+    script.write_text(TEMPLATE_IN_A_WORKER)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    done = subprocess.run([sys.executable, str(script), model_dir], capture_output=True, text=True, timeout=350,
+                          env={**env, "PYTHONPATH": older_swift, "SWIFT_SAFE_MEDIA": "1"}, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["swift"].startswith(older_swift) and found["uses_model"]
+    assert found["pickled"] > found["weights"] > 10_000_000  # a plain pickle (copy, save) still holds the model
+    assert found["spawn_pickled"] < found["weights"] / 4  # a spawned worker gets the template without it
+    assert found["copy_keeps_model"] and not found["model_in_worker"]
+    assert "input_ids" in found["encoded"]  # and encodes with it (ms-swift's dummy model, as on 4.6)

@@ -100,10 +100,21 @@ class MethodPatcher:
         setattr(cls, name, replacement)
         self._originals.append((cls, name, current))
 
+    def add(self, cls, name: str, function) -> None:
+        """Give ``cls`` the method ``name`` where it does not define one itself (a host
+        version that lacks what a later one has); ``restore`` takes it away again."""
+        if name in cls.__dict__:
+            return  # defined by the host, or added already
+        setattr(cls, name, function)
+        self._originals.append((cls, name, None))
+
     def restore(self) -> None:
         while self._originals:
             cls, name, original = self._originals.pop()
-            setattr(cls, name, original)
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
 
 
 @dataclass(frozen=True)
@@ -115,6 +126,9 @@ class Target:
     module: str
     name: str
     stand_in: str
+    # A method the class gets only where it lacks one (an older host version missing what
+    # a later one has); the stand-in is then the method itself, and unpatch removes it.
+    only_if_missing: bool = False
 
     @property
     def is_method(self) -> bool:
@@ -153,7 +167,11 @@ class Patches:
             if target.is_method:
                 class_name, method = target.name.split(".", 1)
                 cls = getattr(module, class_name, None)
-                if cls is not None:
+                if cls is None:
+                    continue
+                if target.only_if_missing:
+                    self._methods.add(cls, method, self.stand_in(target))
+                else:
                     self._methods.replace(cls, method, self.stand_in(target))
             elif hasattr(module, target.name):  # older host versions lack some targets
                 stand_in = self.stand_in(target)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import copy
 import dataclasses
 import functools
 import logging
@@ -53,6 +54,9 @@ TARGETS = (
            "swift_safe_media.decoders.qwen:process_audio_info"),
     Target("swift.dataset.utils", "LazyLLMDataset.__getitem__", "getitem_within_budget"),
     Target("swift.trainers.mixin", "SwiftMixin._get_callbacks", "callbacks_with_summary"),
+    # ms-swift 4.6 pickles templates without the model; 4.0-4.5 ship the whole model
+    # (template.model is set for Qwen2-VL/Omni, Ovis, LLaVA, ...) to every spawned worker.
+    Target("swift.template.base", "Template.__getstate__", "template_state_without_model", only_if_missing=True),
 )
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
@@ -167,6 +171,23 @@ def _encode_within_budget(encode, row, *args, **kwargs):
     return encoded
 
 
+# --- what a spawned worker receives ----------------------------------------------------
+
+_TEMPLATE_STATE_DROPPED = {"model": None, "dummy_model": None, "_handles": [], "_deepspeed_initialize": None}
+
+
+def template_state_without_model(template) -> dict:
+    """``Template.__getstate__`` as ms-swift 4.6 has it, for what is pickled to a spawned
+    or forkserver worker: the template without the model (its encode falls back to the
+    template's dummy model, as on 4.6). ``copy(template)`` keeps the model, as before."""
+    from multiprocessing.context import get_spawning_popen
+
+    state = template.__dict__.copy()
+    if get_spawning_popen() is not None:
+        state.update({name: copy.copy(empty) for name, empty in _TEMPLATE_STATE_DROPPED.items() if name in state})
+    return state
+
+
 # --- run summary ---------------------------------------------------------------------
 
 def callbacks_with_summary(stock_get_callbacks, trainer, args):
@@ -180,6 +201,20 @@ def callbacks_with_summary(stock_get_callbacks, trainer, args):
 FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
 flags.add_arguments(FLAGS.add_argument_group("swift-safe-media (bounded, isolated media decoding)"))
 _MP_FLAG = "--dataloader_multiprocessing_context"
+_PERSISTENT_FLAG = "--dataloader_persistent_workers"
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(arg.split("=")[0] == flag for arg in argv)
+
+
+def _argument(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` on the command line (``--flag value`` or ``--flag=value``)."""
+    for position, arg in enumerate(argv):
+        name, has_value, value = arg.partition("=")
+        if name == flag:
+            return value if has_value else (argv[position + 1] if position + 1 < len(argv) else None)
+    return None
 
 
 def register_flags() -> None:
@@ -195,8 +230,13 @@ def parse_args(original, class_type, argv=None):
     apply_flags(ours)
     mp_context = config.mp_context()
     if (env_state() and mp_context != "default" and _has_field(class_type, "dataloader_multiprocessing_context")
-            and not any(arg.split("=")[0] == _MP_FLAG for arg in rest)):
+            and not _given(rest, _MP_FLAG)):
         rest += [_MP_FLAG, mp_context]
+    if (env_state() and _has_field(class_type, "dataloader_persistent_workers")
+            and not _given(rest, _PERSISTENT_FLAG) and _argument(rest, "--dataloader_num_workers") != "0"):
+        # Workers (each with its zygote and sandbox) start once per run, not at every
+        # epoch and evaluation. ms-swift 4.6 defaults to this; 4.0-4.5 do not.
+        rest += [_PERSISTENT_FLAG, "true"]
     try:
         parsed = original(class_type, rest)
     except SystemExit:

@@ -1,0 +1,153 @@
+"""Spawned workers re-run the main script: one without ``if __name__ == "__main__":``
+around its DataLoader would start workers again in each worker, and the parent waits
+for ever (CPython's spawn and forkserver both import the main module in the child).
+
+Before a DataLoader starts workers by spawn or forkserver, the main thread's frame in
+the main script's module code is looked up; if the statement it is running is not
+inside a ``__name__ == "__main__"`` test, a child would run it again. That DataLoader
+then forks its workers, as stock PyTorch does on Linux, and one warning names the
+script and the line (chosen over an error: the script ran before protection was on,
+and protection still bounds every decode; only the workers' start method changes).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import logging
+import multiprocessing
+import sys
+import threading
+
+log = logging.getLogger("swift_safe_media")
+
+RERUN_BY_CHILDREN = ("spawn", "forkserver")
+
+_warned: set[str] = set()  # scripts named in a warning already
+
+
+def unguarded_main_statement() -> tuple[str, int] | None:
+    """(script, line) when the main script's module code is running a statement that a
+    spawned child would run again; None when it is guarded, finished, or not a file."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return None  # python -c, the REPL: nothing is re-run (console scripts have no .py: still checked)
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return None  # its module code has finished: a child's re-run stops short of this
+    line = frame.f_lineno
+    if _is_guarded(path, line):
+        return None
+    return path, line
+
+
+@functools.lru_cache(maxsize=8)
+def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
+    """Line ranges of the script that run only as ``__main__``; None if unreadable."""
+    try:
+        with open(path, "rb") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    ranges = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            branch = _main_branch(node)
+            if branch:
+                ranges.append((branch[0].lineno, branch[-1].end_lineno))
+    return tuple(ranges)
+
+
+def _main_branch(node: ast.If) -> list | None:
+    """The branch of ``if __name__ == "__main__"`` (or ``!=``'s else) that runs as main."""
+    test = node.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and len(test.comparators) == 1):
+        return None
+    sides = {_name_or_text(test.left), _name_or_text(test.comparators[0])}
+    if sides != {"__name__", "'__main__'"}:
+        return None
+    if isinstance(test.ops[0], ast.Eq):
+        return node.body
+    if isinstance(test.ops[0], ast.NotEq):
+        return node.orelse
+    return None
+
+
+def _name_or_text(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return repr(node.value)
+    return None
+
+
+def _is_guarded(path: str, line: int) -> bool:
+    guards = _main_guards(path)
+    if guards is None:
+        return True  # cannot tell: leave the user's start method alone
+    return any(first <= line <= last for first, last in guards)
+
+
+def start_method(loader) -> str:
+    context = loader.multiprocessing_context
+    if context is None:
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()
+    return context if isinstance(context, str) else context.get_start_method()
+
+
+def fork_if_main_would_rerun(loader) -> None:
+    """Give ``loader`` the fork start method if its workers would re-run an unguarded script."""
+    if loader.num_workers <= 0 or multiprocessing.parent_process() is not None:
+        return
+    method = start_method(loader)
+    if method not in RERUN_BY_CHILDREN:
+        return
+    found = unguarded_main_statement()
+    if found is None:
+        return
+    loader.multiprocessing_context = "fork"
+    script, line = found
+    if script not in _warned:
+        _warned.add(script)
+        log.warning("swift_safe_media: %s starts DataLoader workers at line %d outside "
+                    "`if __name__ == \"__main__\":`; %s workers would run the script again and the "
+                    "run would hang, so this DataLoader forks its workers instead. Put the training "
+                    "code under that guard to get %s workers.", script, line, method, method)
+
+
+_installed = False
+DATALOADER_MODULE = "torch.utils.data.dataloader"
+
+
+def install() -> None:
+    """Check every DataLoader of this process before it starts workers, while protection
+    is on (now, or once torch's DataLoader is imported)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from .integrations import _imports
+
+    _imports.when_imported(DATALOADER_MODULE, _patch_dataloader)
+
+
+def _patch_dataloader(module) -> None:
+    from . import config
+
+    DataLoader = module.DataLoader
+
+    stock_get_iterator = DataLoader._get_iterator
+
+    @functools.wraps(stock_get_iterator)
+    def _get_iterator(self):
+        try:
+            if config.enabled_by_environment():
+                fork_if_main_would_rerun(self)
+        except Exception:  # the check must never stop the DataLoader itself
+            log.debug("swift_safe_media: main-script check skipped", exc_info=True)
+        return stock_get_iterator(self)
+
+    DataLoader._get_iterator = _get_iterator
