@@ -26,7 +26,9 @@ class _HostWatcher:
                 from swift_safe_media import activation
 
                 activation.on_host_imported(fullname)
-            except Exception as exc:  # never break the user's interpreter
+            except Exception as exc:  # never break the user's interpreter...
+                if type(exc).__name__ == "ProtectionUnavailable":
+                    raise  # ...except to stop a run that asked for protection it cannot have
                 print(f"swift_safe_media: start-up hook skipped for {fullname}: {exc!r}", file=sys.stderr)
         return None
 

@@ -22,12 +22,15 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
            stall_action: str | None = None, quarantine: str | None = None, hosts=None) -> None:
     """Protect media decoding in this process and in every child it starts.
 
+    Raises ProtectionUnavailable, before anything is patched or started, when the
+    decoders of ``hosts`` cannot load here (checked once per run: see ``preflight``).
     Calling it again (with a registry known only later, say) updates the settings."""
-    from . import spawn_guard, watchdog
+    from . import preflight, spawn_guard, watchdog
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
     config.validate()  # every setting: a bad value fails here, not inside a worker
+    preflight.require(hosts)  # decoders that cannot load stop the run here, not in every worker
     config.put(config.ENABLED, True)
     _choose_stats_dir()
     integrations.enable_hosts(hosts)
@@ -100,11 +103,17 @@ def on_host_imported(host: str) -> None:
     if register_flags is not None:
         for module_name in getattr(adapter, "FLAG_MODULES", ()):
             _imports.when_imported(module_name, lambda _module: register_flags())
-    if config.enabled_by_environment():
+    state = config.enabled_by_environment()
+    if state:
         if _starts_runs():
             enable(hosts=[host])  # the run's stats folder, the watchdog
         else:
             integrations.enable_hosts([host])
+    elif (state is None and getattr(adapter, "command_line_asks_for_protection", lambda: False)()
+          and _starts_runs()):
+        from . import preflight
+
+        preflight.require([host])  # now, not after the host's imports: protection that cannot work stops at once
 
 
 def _starts_runs() -> bool:

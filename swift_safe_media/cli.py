@@ -29,10 +29,15 @@ def main(argv=None) -> int:
                            "else the one RAY_ADDRESS names, else a new local one (pip install "
                            "'swift-safe-media[ray]')")
     commands.add_parser("confinement", help="show what confines the decode sandboxes here (JSON)")
+    from .integrations.swift import FLAGS  # the flags ms-swift and LeRobot take, parsed the same way
+    commands.add_parser("doctor", parents=[FLAGS], help="show what is installed and in force; "
+                        "exit 1 when protection cannot work here (takes the hosts' --safe_media_* flags)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.command == "confinement":
         return show_confinement()
+    if args.command == "doctor":
+        return run_doctor(args)
     return run_scan(args)
 
 
@@ -49,11 +54,30 @@ def show_confinement() -> int:
     return 0
 
 
+def run_doctor(args) -> int:
+    from . import doctor
+
+    try:
+        config.write(source="flag", timeout=args.safe_media_timeout, max_memory_mb=args.safe_media_max_memory_mb,
+                     mp_context=args.safe_media_mp_context, quarantine=args.safe_media_quarantine,
+                     stall_timeout=args.safe_media_stall_timeout, stall_action=args.safe_media_stall_action)
+    except ValueError as exc:
+        print(f"swift-safe-media doctor: {exc}", file=sys.stderr)
+        return 2
+    return doctor.report()
+
+
 def run_scan(args) -> int:
-    from . import quarantine, scan, shutdown
+    from . import preflight, quarantine, scan, shutdown
+    from .errors import ProtectionUnavailable
 
     if args.timeout is not None:
         config.write(timeout=args.timeout)
+    try:
+        preflight.require()  # one clear refusal, not one failure per item
+    except ProtectionUnavailable as exc:
+        print(f"swift-safe-media scan: {exc}", file=sys.stderr)
+        return 2
     config.put(config.QUARANTINE, None)  # a scan tries every file, quarantined or not
     try:
         items = scan.collect(args.target)

@@ -182,6 +182,13 @@ MAX_RESULT_MB = _declare("SWIFT_SAFE_MEDIA_MAX_RESULT_MB", INT, 3072,
 # refused by their length before decoding (64 MiB decodes in a fraction of a second).
 MAX_INLINE_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_INLINE_BYTES", INT, 64 << 20,
                             "bytes a `data:` URI or base64 string may decode to", above=0)
+
+# The pre-flight check (preflight.py).
+PREFLIGHT = _declare("SWIFT_SAFE_MEDIA_PREFLIGHT", SWITCH, True,
+                     "`0`: `enable()` skips the check that the decoders load")
+PREFLIGHT_PASSED = _declare("SWIFT_SAFE_MEDIA_PREFLIGHT_PASSED", TEXT, None,
+                            "what passed the check, for child processes (they do not check again)",
+                            internal=True)
 # Logging.
 LOG_LEVEL = _declare("SWIFT_SAFE_MEDIA_LOG_LEVEL", CHOICE, "WARNING",
                      "level of the package's own stderr log handler", choices=LOG_LEVELS)
@@ -273,12 +280,26 @@ def put(name: str, value) -> None:
     os.environ[name] = text
 
 
-def write(**settings) -> None:
+# What wrote each setting in this process ("flag", "enable()"): where its value came from.
+_written_by: dict[str, str] = {}
+
+
+def write(source: str = "enable()", **settings) -> None:
     """Write the settings given (``timeout=5`` is ``SWIFT_SAFE_MEDIA_TIMEOUT``) over the
-    environment, skipping those that are None: flag > environment > default."""
+    environment, skipping those that are None: flag > environment > default. ``source``
+    is what gave them, for :func:`origin`."""
     for key, value in settings.items():
         if value is not None:
             put(_by_key(key), value)
+            _written_by[_by_key(key)] = source
+
+
+def origin(name: str) -> str:
+    """Where the value of setting ``name`` in effect came from: what wrote it in this
+    process ("flag", "enable()"), else "environment" when it is set, else "default"."""
+    if name in _written_by and is_set(name):
+        return _written_by[name]
+    return "environment" if is_set(name) else "default"
 
 
 def _by_key(key: str) -> str:
@@ -339,6 +360,11 @@ def stall_timeout() -> float:
 
 def stall_action() -> str:
     return get(STALL_ACTION)
+
+
+def preflight() -> bool:
+    """Whether ``enable()`` checks that the decoders load before anything starts."""
+    return get(PREFLIGHT)
 
 
 def enabled_by_environment() -> bool | None:

@@ -60,3 +60,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+class ProtectionUnavailable(RuntimeError):
+    """Protection was asked for but the decoders cannot load here (``enable()`` checks once,
+    before any worker starts). ``.missing`` names the piece, ``.fix`` the command that
+    installs it; the message carries both."""
+
+    def __init__(self, missing: str, fix: str):
+        self.missing = missing
+        self.fix = fix
+        super().__init__(f"swift-safe-media cannot protect this run: {missing}.\n  Fix: {fix}\n"
+                         "  (or run without protection: --safe_media false, SWIFT_SAFE_MEDIA=0)")
+
+    def __reduce__(self):
+        return type(self), (self.missing, self.fix)

@@ -10,7 +10,9 @@ Each adapter module (one per host, dd-trace style) provides:
   (and undoes anything else ``patch`` registered);
 - optionally ``register_flags()`` with ``FLAG_MODULES``: adds the host's command-line
   flags (:mod:`.flags`) once one of those modules is imported; they must parse even
-  while the package is off, so a command line that has them never breaks.
+  while the package is off, so a command line that has them never breaks;
+- optionally ``command_line_asks_for_protection()``: True when this process's command
+  line turns protection on, so the decoders are checked as the host starts importing.
 
 The targets are data: a table of :class:`._patching.Target` rows (functions and methods
 alike) in a :class:`._patching.Patches`, which provides ``patch`` / ``unpatch`` /

@@ -8,6 +8,8 @@ import logging
 import sys
 import threading
 
+from ..errors import ProtectionUnavailable
+
 log = logging.getLogger("swift_safe_media")
 
 _callbacks: dict[str, list] = {}
@@ -35,7 +37,9 @@ def clear(module_name: str | None = None) -> None:
 def _run(callback, module) -> None:
     try:
         callback(module)
-    except Exception:  # a hook must never break the host's import
+    except ProtectionUnavailable:
+        raise  # protection asked for on the command line, and it cannot work: stop the run
+    except Exception:  # otherwise a hook must never break the host's import
         log.exception("swift_safe_media: post-import hook for %s failed; host left as it was",
                       module.__name__)
 

@@ -125,7 +125,7 @@ def apply(values: dict, host: str) -> None:
 
     values = dict(values)
     enabled = values.pop(ENABLED, None)
-    config.write(**values)
+    config.write(source="flag", **values)
     if enabled is True:
         activation.enable(hosts=[host])
     elif enabled is False:

@@ -224,6 +224,18 @@ def register_flags() -> None:
     _flag_patcher.replace("swift.utils.utils", "parse_args", functools.partial(parse_args, original))
 
 
+def command_line_asks_for_protection() -> bool:
+    """``swift sft ... --safe_media true``: lets the decoders be checked in the ``swift``
+    launcher, seconds after the command, rather than once the training process has
+    imported all of ms-swift (a minute on a busy machine). A config file's
+    ``safe_media: true`` is read later, by the training process, and checked there."""
+    try:
+        ours, _ = FLAGS.parse_known_args(sys.argv[1:])
+    except (SystemExit, Exception):  # a malformed flag is for ms-swift's parse_args to report
+        return False
+    return ours.safe_media is True
+
+
 def parse_args(original, class_type, argv=None):
     """Take our flags out of ``argv``, apply them, hand the rest to ms-swift's parser."""
     ours, rest = FLAGS.parse_known_args(sys.argv[1:] if argv is None else list(argv))
