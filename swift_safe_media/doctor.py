@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import platform
 import struct
 import sys

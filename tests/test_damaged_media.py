@@ -19,22 +19,10 @@ from tests import damaged_media, media_corpus, sandboxed
 
 import swift_safe_media.decoders as safe
 from swift_safe_media import MediaDecodeError, call, engine
+from .fresh import ROOT
+from .loaders import VIDEO_LOADERS
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-VIDEO_LOADERS = {
-    "internvl": lambda p: safe.load_video_internvl(p, num_segments=4),
-    "cogvlm2": safe.load_video_cogvlm2,
-    "llava": safe.load_video_llava,
-    "minicpmv": lambda p: safe.load_video_minicpmv_mplug_owl3(p, 4),
-    "valley": safe.load_video_valley,
-    "ovis2": lambda p: safe.load_video_ovis2(p, 4),
-    "ovis2_5": lambda p: safe.load_video_ovis2_5(p, 4),
-    "hf": lambda p: safe.load_video_hf([p]),
-    "vllm": lambda p: safe.load_vllm_video(p, 4),
-    "qwen": lambda p: safe.fetch_video({"video": p, "nframes": 2}),
-}
 
 
 def load_audio_with(backend):

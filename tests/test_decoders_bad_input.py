@@ -23,26 +23,9 @@ except ImportError:
 
 import swift_safe_media.decoders as safe
 from swift_safe_media import MediaDecodeError, MediaDecodeTimeout
+from .loaders import ALL_LOADERS, AUDIO_LOADERS, VIDEO_LOADERS
 
 pytestmark = pytest.mark.timeout(60)
-
-VIDEO_LOADERS = {
-    "internvl": lambda p: safe.load_video_internvl(p, num_segments=4),
-    "cogvlm2": safe.load_video_cogvlm2,
-    "llava": safe.load_video_llava,
-    "minicpmv": lambda p: safe.load_video_minicpmv_mplug_owl3(p, 4),
-    "valley": safe.load_video_valley,
-    "ovis2": lambda p: safe.load_video_ovis2(p, 4),
-    "ovis2_5": lambda p: safe.load_video_ovis2_5(p, 4),
-    "hf": lambda p: safe.load_video_hf([p]),
-    "vllm": lambda p: safe.load_vllm_video(p, 4),
-    "qwen": lambda p: safe.fetch_video({"video": p, "nframes": 2}),
-}
-AUDIO_LOADERS = {
-    "load_audio": lambda p: safe.load_audio(p, 16000),
-    "omni": lambda p: safe.process_audio_info([{"role": "user", "content": [{"type": "audio", "audio": p}]}], False),
-}
-ALL_LOADERS = {**VIDEO_LOADERS, **AUDIO_LOADERS}
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import ctypes
-import functools
 import http.server
 import os
 import select
@@ -31,27 +30,16 @@ import pytest
 import swift_safe_media.decoders as safe
 from swift_safe_media import MediaDecodeError
 from swift_safe_media.decoders import demuxers
+from .loaders import VIDEO_LOADERS
+from .loaders import AUDIO_LOADERS as _PLAIN_AUDIO_LOADERS
 
 pytestmark = pytest.mark.timeout(120)
 
 FFMPEG = os.environ.get("FFMPEG", "ffmpeg")
 
-VIDEO_LOADERS = {
-    "internvl": lambda p: safe.load_video_internvl(p, num_segments=4),
-    "cogvlm2": safe.load_video_cogvlm2,
-    "llava": safe.load_video_llava,
-    "minicpmv": lambda p: safe.load_video_minicpmv_mplug_owl3(p, 4),
-    "valley": safe.load_video_valley,
-    "ovis2": lambda p: safe.load_video_ovis2(p, 4),
-    "ovis2_5": lambda p: safe.load_video_ovis2_5(p, 4),
-    "hf": lambda p: safe.load_video_hf([p]),
-    "vllm": lambda p: safe.load_vllm_video(p, 4),
-    "qwen": lambda p: safe.fetch_video({"video": p, "nframes": 2}),
-}
+
 AUDIO_LOADERS = {
-    "load_audio": lambda p: safe.load_audio(p, 16000),
-    "omni": lambda p: safe.process_audio_info([{"role": "user", "content": [{"type": "audio", "audio": p}]}],
-                                              False),
+    **_PLAIN_AUDIO_LOADERS,
     "omni_video_audio": lambda p: safe.process_audio_info(
         [{"role": "user", "content": [{"type": "video", "video": p}]}], True),
 }
@@ -157,7 +145,7 @@ def corpus(tmp_path_factory):
             "-pix_fmt", "yuv420p", "-c:a", "aac", "-shortest", str(decoys / "decoy.mp4"))
     _ffmpeg("-i", str(decoys / "decoy.mp4"), "-c", "copy", "-f", "mpegts", str(decoys / "decoy.ts"))
     for index in range(3):
-        _ffmpeg("-f", "lavfi", "-i", f"color=c=red:size=64x48:duration=0.1", "-frames:v", "1",
+        _ffmpeg("-f", "lavfi", "-i", "color=c=red:size=64x48:duration=0.1", "-frames:v", "1",
                 str(decoys / f"shot{index}.png"))
     return {"root": root, "good": good, "decoys": decoys, "hostile": hostile}
 
