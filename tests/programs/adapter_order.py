@@ -22,7 +22,13 @@ def target_states(adapter) -> dict[str, bool]:
         module = sys.modules[target.module]
         if target.is_method:
             class_name, method = target.name.split(".", 1)
-            current = vars(getattr(module, class_name))[method]
+            current = vars(getattr(module, class_name)).get(method)
+            if target.only_if_missing:  # ours is the added method itself, or nothing
+                ours = adapter.PATCHES.stand_in(target)
+                if current is not None and current is not ours:
+                    continue  # this host version has its own: nothing to add
+                states[f"{target.module}.{target.name}"] = current is ours
+                continue
         elif hasattr(module, target.name):
             current = getattr(module, target.name)
         else:
