@@ -76,7 +76,9 @@ class Zygote:
         code = f"from swift_safe_media.zygote import zygote_main; zygote_main({zygote_end.fileno()})"
         self.process = subprocess.Popen(
             [sys.executable, "-c", code], pass_fds=[zygote_end.fileno()], env=_zygote_environment(),
-            stdin=subprocess.DEVNULL, close_fds=True)
+            # `-c` puts the working directory first on sys.path: a `swift_safe_media/` folder
+            # there must not stand in for the package the caller imported (on PYTHONPATH).
+            cwd=NEUTRAL_DIRECTORY, stdin=subprocess.DEVNULL, close_fds=True)
         zygote_end.close()
         self.control = caller_end
         deadline = time.monotonic() + start_timeout

@@ -393,3 +393,14 @@ def test_more_sandboxes_run_threads_in_parallel(fresh_engine, monkeypatch):
     for thread in threads:
         thread.join(30)
     assert len(set(pids)) == 2 and time.monotonic() - started < 1.9
+
+
+def test_a_package_folder_in_the_callers_directory_does_not_shadow_the_zygotes(tmp_path, monkeypatch,
+                                                                             fresh_engine):
+    """The zygote starts as ``python -c``, which puts its working directory first on
+    sys.path; it must import the package the caller imported, not a folder of that name."""
+    shadow = tmp_path / "swift_safe_media"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the shadow package was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    assert swift_safe_media.call(os.getpid) != os.getpid()
