@@ -5,59 +5,22 @@ follow, while the zygote stays single-threaded. A real DataLoader, real zygotes 
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from swift_safe_media import config
 
+from .fresh import clean_environment, run_python
+
 pytest.importorskip("torch")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-PROGRAM = textwrap.dedent("""
-    import json, os, sys
-    sys.path.insert(0, sys.argv[1])
-    import swift_safe_media
-    from swift_safe_media import call, config
-    from torch.utils.data import DataLoader, Dataset
-    from tests import sandboxed
-
-    class Ask(Dataset):
-        def __len__(self):
-            return 2
-        def __getitem__(self, index):
-            return json.dumps(call(sandboxed.decode_threads))
-
-    def fresh(**env):
-        swift_safe_media.shutdown()  # the next call starts a zygote that reads the budget anew
-        os.environ.update(env)
-        return call(sandboxed.decode_threads)
-
-    if __name__ == "__main__":
-        found = {"cores": config.usable_cores(), "alone": call(sandboxed.decode_threads)}
-        zygote = swift_safe_media.engine.get_engine()._zygote.process.pid
-        found["zygote_threads"] = len(os.listdir(f"/proc/{zygote}/task"))  # still safe to fork
-        loader = DataLoader(Ask(), batch_size=None, num_workers=2, multiprocessing_context="fork")
-        found["workers"] = [json.loads(item) for item in loader]
-        found["two_ranks"] = fresh(LOCAL_WORLD_SIZE="2")
-        found["explicit"] = fresh(SWIFT_SAFE_MEDIA_THREADS="3")
-        print(json.dumps(found))
-""")
 
 
 @pytest.mark.timeout(300)
-def test_threads_default_to_the_cores_shared_among_decoding_processes(tmp_path):
-    script = tmp_path / "ask.py"
-    script.write_text(PROGRAM)
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("SWIFT_SAFE_MEDIA") and key != "LOCAL_WORLD_SIZE"}
+def test_threads_default_to_the_cores_shared_among_decoding_processes():
+    env = clean_environment()
+    env.pop("LOCAL_WORLD_SIZE", None)
     env[config.PRELOAD] = "torch"
-    done = subprocess.run([sys.executable, str(script), ROOT], capture_output=True, text=True, env=env,
-                          timeout=280, cwd=str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(module="tests.programs.decode_threads", env=env, timeout=280)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     cores = found["cores"]
     assert 1 <= cores <= len(os.sched_getaffinity(0))

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -19,7 +18,7 @@ from swift_safe_media import config
 from swift_safe_media.engine import RemoteTraceback, get_engine
 
 from . import sandboxed
-from .fresh import ROOT
+from .fresh import ROOT, run_python
 from .conftest import children_of, process_state, wait_until_dead
 
 SLACK = 0.5  # the issue's bound: the error arrives within timeout + 0.5 s
@@ -284,27 +283,13 @@ def test_dataloader_workers_each_get_a_sandbox(start_method, fifo):
     assert parent_sandbox not in sandboxes.values()
 
 
-KILL_SCRIPT = textwrap.dedent("""
-    import os, sys, time
-    from swift_safe_media import call
-    from swift_safe_media.engine import get_engine
-    from tests import sandboxed
-    sandbox = call(sandboxed.sandbox_pid)
-    print(get_engine()._zygote.process.pid, sandbox, flush=True)
-    if sys.argv[2] == "busy":
-        helper = call(sandboxed.fork_helper)  # a confined sandbox cannot write the pid file itself
-        with open(sys.argv[1], "w") as out:
-            out.write(str(helper))
-        call(sandboxed.sleep_then_pid, 600, timeout=600)
-    time.sleep(600)
-""")
 
 
 @pytest.mark.parametrize("busy", [True, False])
 def test_sigkill_of_the_parent_leaves_no_orphans(tmp_path, busy):
     pid_file = tmp_path / "helper.pid"
-    victim = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(pid_file), "busy" if busy else "idle"], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True)
+    victim = subprocess.Popen([sys.executable, "-m", "tests.programs.engine_kill_target", str(pid_file),
+                               "busy" if busy else "idle"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         zygote, sandbox = map(int, victim.stdout.readline().split())
         watched = [zygote, sandbox]
@@ -324,15 +309,7 @@ def test_sigkill_of_the_parent_leaves_no_orphans(tmp_path, busy):
 
 def test_clean_exit_leaves_no_processes_or_shared_memory():
     before = set(os.listdir("/dev/shm"))
-    script = textwrap.dedent("""
-        from swift_safe_media import call
-        from swift_safe_media.engine import get_engine
-        from tests import sandboxed
-        frames = call(sandboxed.big_frames, 360, 640)
-        assert frames.shape == (32, 360, 640, 3)
-        print(get_engine()._zygote.process.pid, call(sandboxed.sandbox_pid), flush=True)
-    """)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_python(module="tests.programs.engine_clean_exit", env=dict(os.environ), timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     zygote, sandbox = map(int, done.stdout.split())
     assert wait_until_dead([zygote, sandbox], within=3.0) == {}

@@ -20,7 +20,6 @@ import select
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 
@@ -30,6 +29,7 @@ import pytest
 import swift_safe_media.decoders as safe
 from swift_safe_media import MediaDecodeError
 from swift_safe_media.decoders import demuxers
+from .fresh import run_python
 from .loaders import VIDEO_LOADERS
 from .loaders import AUDIO_LOADERS as _PLAIN_AUDIO_LOADERS
 
@@ -397,13 +397,10 @@ def test_enabling_protection_leaves_nothing_in_the_temp_dir(corpus, tmp_path):
     temp = tmp_path / "tmp"
     temp.mkdir()
     clip = str(corpus["good"] / "clip.mp4")
-    code = ("import swift_safe_media; swift_safe_media.enable(hosts=[]); "
-            "from swift_safe_media.decoders import load_video_llava; "
-            f"assert load_video_llava({clip!r}).shape[0] > 0")
     env = dict(os.environ, TMPDIR=str(temp))
     env.pop("SWIFT_SAFE_MEDIA_STATS_DIR", None)
     env.pop("SWIFT_SAFE_MEDIA_QUARANTINE", None)
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    run_python(module="tests.programs.protected_decode", args=[clip], env=env, timeout=120)
     assert sorted(os.listdir(temp)) == []
 
 

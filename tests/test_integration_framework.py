@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from .fresh import ROOT, clean_environment
+from .fresh import ROOT, clean_environment, run_python
 
 
 HOST_FILES = {
@@ -45,27 +45,14 @@ HOST_FILES = {
     """),
 }
 
-PRELUDE = textwrap.dedent("""
-    import logging, os, sys
-    logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
-    import swift_safe_media
-    from swift_safe_media import integrations
-    integrations.ADAPTERS.clear()
-    integrations.ADAPTERS["fakehost"] = "fake_adapter"
-    def state():
-        import fakehost.media, fakehost.user
-        return (fakehost.media.load("a"), fakehost.user.load("a"), fakehost.user.renamed_load("a"))
-""")
-
-
-def run_order(tmp_path, body, version="1.4", fail="no"):
+def run_order(tmp_path, case, *args, version="1.4", fail="no"):
+    """Write the host package, then ``tests/programs/fake_host_orders.py`` CASE ARGS."""
     for name, text in HOST_FILES.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.replace("{version}", version).replace("{fail}", fail))
     env = clean_environment(pythonpath=[str(tmp_path), ROOT])
-    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = run_python(module="tests.programs.fake_host_orders", args=[case, *args], env=env, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines(), done.stderr
 
@@ -75,69 +62,35 @@ STOCK = "('stock a', 'stock a', 'stock a')"
 
 
 def test_enable_before_host_import(tmp_path):
-    out, _ = run_order(tmp_path, """
-        swift_safe_media.enable()
-        print(state(), swift_safe_media.is_enabled(), os.environ["SWIFT_SAFE_MEDIA"])
-    """)
+    out, _ = run_order(tmp_path, "enable_first")
     assert out == [f"{SAFE} True 1"]
 
 
 def test_enable_after_host_import(tmp_path):
-    out, _ = run_order(tmp_path, """
-        print(state())
-        swift_safe_media.enable()
-        print(state())
-    """)
+    out, _ = run_order(tmp_path, "enable_after")
     assert out == [STOCK, SAFE]
 
 
 def test_enable_disable_enable_and_double_enable(tmp_path):
-    out, _ = run_order(tmp_path, """
-        import fakehost.media
-        stock = fakehost.media.load
-        swift_safe_media.enable(); swift_safe_media.enable()
-        print(state(), fakehost.media.load.__wrapped__ is stock)
-        swift_safe_media.disable()
-        print(state(), fakehost.media.load is stock, os.environ["SWIFT_SAFE_MEDIA"], swift_safe_media.is_enabled())
-        swift_safe_media.enable()
-        print(state())
-        import fake_adapter
-        print(sorted(fake_adapter._patcher.sites()))
-    """)
+    out, _ = run_order(tmp_path, "enable_disable_enable")
     assert out == [f"{SAFE} True", f"{STOCK} True 0 False", SAFE,
                    "[('fakehost.media', 'load'), ('fakehost.user', 'load'), ('fakehost.user', 'renamed_load')]"]
 
 
 def test_settings_reach_the_environment(tmp_path):
-    out, _ = run_order(tmp_path, """
-        swift_safe_media.enable(timeout=7.5, mp_context="forkserver", max_memory_mb=1024)
-        print(os.environ["SWIFT_SAFE_MEDIA_TIMEOUT"], os.environ["SWIFT_SAFE_MEDIA_MP_CONTEXT"],
-              os.environ["SWIFT_SAFE_MEDIA_MAX_MEMORY_MB"])
-        try:
-            swift_safe_media.enable(mp_context="threads")
-        except ValueError as exc:
-            print("refused:", exc)
-    """)
+    out, _ = run_order(tmp_path, "settings")
     assert out[0] == "7.5 forkserver 1024"
     assert out[1].startswith("refused: SWIFT_SAFE_MEDIA_MP_CONTEXT='threads'")
 
 
 def test_unsupported_version_warns_once_and_leaves_the_host_alone(tmp_path):
-    out, err = run_order(tmp_path, """
-        import fakehost.media
-        swift_safe_media.enable()
-        print(state())
-        import importlib; importlib.reload(fakehost.media)
-    """, version="2.1")
+    out, err = run_order(tmp_path, "reload", version="2.1")
     assert out == [STOCK]
     assert err.count("fakehost 2.1 is outside the supported range >=1.0,<2.0") == 1
 
 
 def test_a_patch_that_fails_is_undone(tmp_path):
-    out, err = run_order(tmp_path, """
-        swift_safe_media.enable()
-        print(state())
-    """, fail="yes")
+    out, err = run_order(tmp_path, "enable", fail="yes")
     assert out == [STOCK]
     assert "could not patch fakehost; it runs unprotected" in err
 
@@ -145,18 +98,7 @@ def test_a_patch_that_fails_is_undone(tmp_path):
 @pytest.mark.parametrize("value, expected", [("1", SAFE), ("0", STOCK), (None, STOCK)])
 def test_startup_hook_follows_the_environment(tmp_path, value, expected):
     """The installed .pth watches the host's first import; SWIFT_SAFE_MEDIA decides."""
-    body = """
-        import sys
-        sys.modules.pop("fakehost", None)
-        import _swift_safe_media_startup as startup
-        startup._HOSTS = ("fakehost",)
-        del sys._swift_safe_media_watcher
-        startup.install()
-        print(state())
-    """
-    if value is not None:
-        body = f"os.environ['SWIFT_SAFE_MEDIA'] = '{value}'\n" + textwrap.dedent(body)
-    out, _ = run_order(tmp_path, body)
+    out, _ = run_order(tmp_path, "startup_hook", *([] if value is None else [value]))
     assert out == [expected]
 
 

@@ -8,13 +8,13 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 
 from . import broken_envs
 from . import swift_scenario as scenario
+from .fresh import ROOT
 
 KINDS = broken_envs.KINDS
 SCRIPT_BOUND_S = 60     # a refusal is a torch import plus ~0.1 s: seconds; bounds for a busy 2-core box
@@ -57,15 +57,7 @@ def test_enable_in_a_script_refuses_at_once_naming_the_piece_and_the_fix(envs, k
 
 
 def test_the_refusal_is_a_typed_exception_a_caller_can_catch(envs):
-    program = textwrap.dedent("""
-        import swift_safe_media
-        try:
-            swift_safe_media.enable()
-        except swift_safe_media.ProtectionUnavailable as exc:
-            print("caught:", exc.missing, "|", exc.fix)
-        print("protected:", swift_safe_media.is_enabled(), "env:", __import__("os").environ.get("SWIFT_SAFE_MEDIA"))
-    """)
-    code, _, output = run(envs["no_torchcodec"], ["python", "-c", program])
+    code, _, output = run(envs["no_torchcodec"], ["python", "-m", "tests.programs.catch_refusal"], cwd=ROOT)
     assert code == 0, output
     assert "caught: torchcodec is not installed" in output and 'pip install "torchcodec>=0.12"' in output
     assert "protected: False env: None" in output  # nothing patched, nothing for children to inherit
@@ -108,29 +100,19 @@ def test_lerobot_flag_refuses_a_torchcodec_that_cannot_load(envs):
 
 def test_lerobot_without_torchcodec_decodes_with_pyav_and_is_allowed(envs):
     """LeRobot falls back to PyAV when torchcodec is not installed: nothing to refuse."""
-    program = "import lerobot.configs.parser, swift_safe_media; print('protected:', swift_safe_media.is_enabled())"
-    code, _, output = run(envs["no_torchcodec"], ["python", "-c", program, "--safe_media=true"])
+    code, _, output = run(envs["no_torchcodec"],
+                          ["python", "-m", "tests.programs.lerobot_flag_parser", "--safe_media=true"], cwd=ROOT)
     assert code == 0 and "protected: True" in output, output[-3000:]
 
 
 def test_children_inherit_the_verdict_and_do_not_check_again(tmp_path):
     """The parent checks once; a child process (here a plain one, as `swift sft` starts its
     training process) finds the verdict in the environment and inspects nothing."""
-    child = ("import swift_safe_media; from swift_safe_media import preflight; swift_safe_media.enable(); "
-             "print('inspected:', len(preflight._verdicts))")
-    parent = textwrap.dedent(f"""
-        import subprocess, sys, swift_safe_media
-        from swift_safe_media import preflight
-        swift_safe_media.enable()
-        print("parent inspected:", len(preflight._verdicts))
-        sys.stdout.flush()
-        subprocess.run([sys.executable, "-c", {child!r}], check=True)
-    """)
-    code, _, output = run((sys.executable, []), ["python", "-c", parent])
+    code, _, output = run((sys.executable, []), ["python", "-m", "tests.programs.preflight_parent"], cwd=ROOT)
     assert code == 0, output
     assert "parent inspected: 1" in output and "inspected: 0" in output.replace("parent inspected: 1", "")
     # Without the parent's verdict the same child checks for itself.
-    code, _, output = run((sys.executable, []), ["python", "-c", child])
+    code, _, output = run((sys.executable, []), ["python", "-m", "tests.programs.preflight_child"], cwd=ROOT)
     assert code == 0 and "inspected: 1" in output, output
 
 

@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from swift_safe_media import quarantine
 from swift_safe_media.quarantine import Registry
 
 from . import sandboxed
-from .fresh import ROOT
+from .fresh import ROOT, run_python
 
 
 
@@ -53,16 +52,8 @@ def test_a_changed_file_is_tried_again(registry_path, tmp_path):
 def test_quarantine_survives_a_restart(registry_path, fifo):
     with pytest.raises(MediaDecodeTimeout):
         call(sandboxed.open_fifo, fifo, timeout=1)
-    script = textwrap.dedent(f"""
-        from swift_safe_media import MediaQuarantined, call
-        from tests import sandboxed
-        try:
-            call(sandboxed.open_fifo, {fifo!r}, timeout=30)
-        except MediaQuarantined as exc:
-            print("refused", exc.path)
-    """)
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ))
+    done = run_python(module="tests.programs.quarantine_restart", args=[fifo], env=dict(os.environ), timeout=60,
+                      check=False)
     assert done.stdout.strip() == f"refused {fifo}", done.stderr
 
 

@@ -8,8 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -17,10 +15,10 @@ import swift_safe_media
 from swift_safe_media import quarantine, scan, scan_ray
 
 from . import scan_checks
+from .fresh import ROOT, run_python
 from .test_scan import corpus, run_scan  # noqa: F401  (the planted corpus and the CLI runner)
 
 ray = pytest.importorskip("ray")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = "5"
 # Small on a shared 2-core machine: our sandboxes do the work, not Ray's object store.
 SMALL = {"object_store_memory": 80 << 20, "include_dashboard": False}
@@ -75,10 +73,8 @@ class TestOnThisMachine:
 
 def test_without_ray_the_flag_says_how_to_install_it(corpus):  # noqa: F811
     folder, _ = corpus
-    program = ("import sys; sys.modules['ray'] = None  # as if Ray were not installed\n"
-               "from swift_safe_media.cli import main; sys.exit(main(sys.argv[1:]))")
-    done = subprocess.run([sys.executable, "-c", program, "scan", str(folder), "--ray"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = run_python(module="tests.programs.cli_without_ray", args=["scan", folder, "--ray"], env=dict(os.environ),
+                      timeout=120, check=False)
     assert done.returncode == 2
     assert "pip install 'swift-safe-media[ray]'" in done.stderr
 

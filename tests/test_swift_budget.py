@@ -3,44 +3,21 @@
 with the real, patched ``load_audio``; each case in a fresh interpreter."""
 
 import json
-import subprocess
-import sys
-import textwrap
 import wave
 
 import pytest
 
-from .fresh import clean_environment
+from .fresh import ROOT, clean_environment, run_python
 
 pytest.importorskip("swift.dataset", reason="ms-swift is in requirements-test.txt")
 
-PRELUDE = textwrap.dedent("""
-    import json, sys
-    import swift_safe_media
-    from datasets import Dataset
-    from swift.dataset import LazyLLMDataset
-    from swift.template import vision_utils
-
-    def encode(row, return_length=False):   # what template.encode does with an audio row
-        return {"samples": len(vision_utils.load_audio(row["audio"], 16000))}
-
-    def dataset(*paths):
-        return LazyLLMDataset(Dataset.from_list([{"audio": path} for path in paths]), encode, random_state=0)
-
-    def outcome(call):
-        try:
-            return {"ok": call()}
-        except Exception as exc:
-            return {"raised": type(exc).__name__, "message": str(exc)}
-""")
-
-
-def run(body, tmp_path, env):
+def run(case, paths, tmp_path, env):
+    """``tests/programs/swift_budget_rows.py`` CASE PATHS with protection on; its JSON lines."""
     child_env = clean_environment({"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "30",
-                                   "SWIFT_SAFE_MEDIA_QUARANTINE": str(tmp_path / "quarantine.jsonl"), **env})
-    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=child_env,
-                          capture_output=True, text=True, timeout=150, cwd=str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
+                                   "SWIFT_SAFE_MEDIA_QUARANTINE": str(tmp_path / "quarantine.jsonl"), **env},
+                                  pythonpath=[ROOT])
+    done = run_python(module="tests.programs.swift_budget_rows", args=[case, *paths], env=child_env,
+                      cwd=str(tmp_path), timeout=150)
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
@@ -57,11 +34,7 @@ def good_wav(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_a_spent_budget_crosses_the_resample_loop(tmp_path, fifo, good_wav):
-    found = run(f"""
-        bad = dataset({fifo!r}, {fifo!r}, {fifo!r}, {fifo!r}, {fifo!r})
-        print(json.dumps(outcome(lambda: bad[0])))
-        print(json.dumps({{"encode_func restored": bad.encode_func is encode}}))
-    """, tmp_path, {"SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "3"})
+    found = run("spent", [fifo], tmp_path, {"SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "3"})
     spent, restored = found
     # Not swallowed by LazyLLMDataset (which gives up with a ValueError after 5 tries here).
     assert spent["raised"] == "ErrorBudgetExceeded", spent
@@ -75,11 +48,8 @@ def test_the_failure_fraction_counts_rows_not_loader_calls(tmp_path, fifo, good_
     """A bad row substituted by a good one, again and again: no run of consecutive failures,
     but half the rows tried fail. ms-swift's Template.encode tries a failed row 3 times:
     the budget counts the row once."""
-    found = run(f"""
-        mixed = dataset({fifo!r}, {good_wav!r})
-        print(json.dumps(outcome(lambda: [mixed[0]["samples"] for _ in range(40)])))
-        print(json.dumps(outcome(lambda: [mixed[0]["samples"] for _ in range(80)])))
-    """, tmp_path, {"SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "2", "SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION": "0.4"})
+    found = run("fraction", [fifo, good_wav], tmp_path,
+                {"SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES": "2", "SWIFT_SAFE_MEDIA_MAX_FAILURE_FRACTION": "0.4"})
     under, over = found
     assert under == {"ok": [1600] * 40}  # 40 of 80 rows tried failed: 50 %, judged from the 100th row on
     assert over["raised"] == "ErrorBudgetExceeded"

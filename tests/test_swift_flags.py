@@ -3,53 +3,17 @@ sft, pt, rlhf, infer, export), installed by the start-up hook; each case in a fr
 interpreter. The end-to-end tests run them through `swift sft` and a YAML config."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from .fresh import clean_environment
+from .fresh import ROOT, clean_environment, run_python
 
 pytest.importorskip("swift.utils", reason="ms-swift is in requirements-test.txt")
 
-PRELUDE = textwrap.dedent("""
-    import dataclasses, json, os, sys
-    from typing import Literal, Optional
-    from swift.utils import parse_args   # the name pipelines/base.py imports
-
-    @dataclasses.dataclass
-    class TrainArgs:          # stands in for SftArguments: any dataclass goes through the same parser
-        model: str = "m"
-        dataloader_multiprocessing_context: Optional[Literal["fork", "spawn", "forkserver"]] = None
-
-    @dataclasses.dataclass
-    class InferArgs:          # no DataLoader workers: nothing is added
-        model: str = "m"
-
-    @dataclasses.dataclass
-    class SftArgs:            # like SftArguments: output_dir gets its versioned folder while parsing
-        output_dir: str = "out"
-
-        def __post_init__(self):
-            self.output_dir = os.path.abspath(os.path.join(self.output_dir, "v0-20260101-000000"))
-            self.training_args = type("TrainingArguments", (), {"output_dir": self.output_dir})()
-
-    def show(args, remaining):
-        import swift_safe_media
-        print(json.dumps({"args": dataclasses.asdict(args), "remaining": remaining,
-                          "enabled": swift_safe_media.is_enabled(),
-                          "env": {k: v for k, v in os.environ.items() if k.startswith("SWIFT_SAFE_MEDIA")}}))
-""")
-
-
-def run(body, env=None, check=True):
-    child_env = clean_environment(env)
-    done = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=child_env,
-                          capture_output=True, text=True, timeout=120, cwd="/")
-    if check:
-        assert done.returncode == 0, done.stderr[-3000:]
-    return done
+def run(case, *args, env=None, check=True):
+    """``tests/programs/swift_flags_parse.py`` CASE ARGS, from ``/`` (relative paths resolve there)."""
+    return run_python(module="tests.programs.swift_flags_parse", args=[case, *args],
+                      env=clean_environment(env, pythonpath=[ROOT]), cwd="/", timeout=120, check=check)
 
 
 def results(done):
@@ -58,19 +22,7 @@ def results(done):
 
 @pytest.mark.timeout(150)
 def test_flags_parse_apply_reach_the_environment_and_take_precedence():
-    done = run("""
-        show(*parse_args(TrainArgs, ["--model", "x", "--safe_media", "true", "--safe_media_timeout", "7",
-                                     "--safe_media_max_memory_mb", "2048"]))
-        show(*parse_args(InferArgs, ["--safe_media_mp_context", "forkserver"]))
-        show(*parse_args(TrainArgs, ["--dataloader_multiprocessing_context", "fork"]))  # the user's choice wins
-        show(*parse_args(TrainArgs, ["--safe_media_mp_context", "default"]))
-        show(*parse_args(TrainArgs, ["--safe_media", "false", "--model", "y"]))  # parses while off
-        # environment beats default, flag beats environment
-        os.environ.update(SWIFT_SAFE_MEDIA="1", SWIFT_SAFE_MEDIA_TIMEOUT="9", SWIFT_SAFE_MEDIA_MP_CONTEXT="forkserver")
-        show(*parse_args(TrainArgs, []))
-        show(*parse_args(TrainArgs, ["--safe_media_timeout", "3"]))
-        parse_args(TrainArgs, ["--safe_media_mp_context", "threads"])
-    """, check=False)
+    done = run("precedence", check=False)
     spawned, infer, users, default, off, from_env, from_flag = results(done)
     assert spawned["remaining"] == [] and spawned["args"] == {"model": "x", "dataloader_multiprocessing_context": "spawn"}
     assert spawned["enabled"] is True
@@ -90,18 +42,7 @@ def test_flags_parse_apply_reach_the_environment_and_take_precedence():
 
 @pytest.mark.timeout(150)
 def test_workers_persist_under_protection_unless_the_user_chose():
-    done = run("""
-        @dataclasses.dataclass
-        class WorkerArgs:     # ms-swift 4.0-4.5 default to workers that stop after each epoch and eval
-            dataloader_num_workers: Optional[int] = None
-            dataloader_persistent_workers: bool = False
-
-        show(*parse_args(WorkerArgs, ["--safe_media", "true"]))
-        show(*parse_args(WorkerArgs, ["--dataloader_persistent_workers", "false"]))  # the user's choice wins
-        show(*parse_args(WorkerArgs, ["--dataloader_persistent_workers=false"]))
-        show(*parse_args(WorkerArgs, ["--dataloader_num_workers", "0"]))  # persistent needs workers
-        show(*parse_args(WorkerArgs, ["--safe_media", "false"]))  # off: ms-swift's default
-    """)
+    done = run("persistent_workers")
     protected, users, users_equals, no_workers, off = results(done)
     assert protected["args"]["dataloader_persistent_workers"] is True and protected["remaining"] == []
     assert users["args"]["dataloader_persistent_workers"] is False
@@ -112,12 +53,7 @@ def test_workers_persist_under_protection_unless_the_user_chose():
 
 @pytest.mark.timeout(150)
 def test_never_silent_flags_reach_the_environment():
-    done = run("""
-        show(*parse_args(TrainArgs, ["--safe_media", "true", "--safe_media_quarantine", "runs/q.jsonl",
-                                     "--safe_media_stall_timeout", "600", "--safe_media_stall_action", "abort"]))
-        show(*parse_args(TrainArgs, ["--safe_media_quarantine", "none"]))
-        parse_args(TrainArgs, ["--safe_media_stall_action", "hang"])
-    """, check=False)
+    done = run("never_silent", check=False)
     given, off = results(done)
     assert given["remaining"] == []
     assert given["env"].items() >= {"SWIFT_SAFE_MEDIA_QUARANTINE": "/runs/q.jsonl",  # absolute: cwd is /
@@ -130,21 +66,15 @@ def test_never_silent_flags_reach_the_environment():
 
 @pytest.mark.timeout(150)
 def test_the_registry_defaults_to_the_runs_final_output_dir(tmp_path):
-    done = run(f"""
-        show(*parse_args(SftArgs, ["--safe_media", "true", "--output_dir", "{tmp_path}/out"]))
-        show(*parse_args(InferArgs, []))  # set once per process: a later parse keeps it
-    """)
+    done = run("output_dir", tmp_path)
     train, infer = results(done)
     folder = f"{tmp_path}/out/v0-20260101-000000/safe_media"
     assert train["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{folder}/quarantine.jsonl"
     assert train["env"]["SWIFT_SAFE_MEDIA_STATS_DIR"] == f"{folder}/swift_safe_media_stats"
     assert infer["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{folder}/quarantine.jsonl"
     # Through SWIFT_SAFE_MEDIA=1 alone, and never over a registry or stats folder the user named.
-    done = run(f"""
-        show(*parse_args(SftArgs, ["--output_dir", "{tmp_path}/out"]))
-        os.environ["SWIFT_SAFE_MEDIA_QUARANTINE"] = "{tmp_path}/mine.jsonl"
-        show(*parse_args(SftArgs, ["--output_dir", "{tmp_path}/other"]))
-    """, env={"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_STATS_DIR": f"{tmp_path}/stats"})
+    done = run("output_dir_from_env", tmp_path,
+               env={"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_STATS_DIR": f"{tmp_path}/stats"})
     from_env, users = results(done)
     assert from_env["env"]["SWIFT_SAFE_MEDIA_QUARANTINE"] == f"{folder}/quarantine.jsonl" and from_env["enabled"]
     assert from_env["env"]["SWIFT_SAFE_MEDIA_STATS_DIR"] == f"{tmp_path}/stats"
@@ -153,9 +83,7 @@ def test_the_registry_defaults_to_the_runs_final_output_dir(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_flags_appear_in_the_command_help():
-    done = run("""
-        parse_args(TrainArgs, ["--help"])
-    """, check=False)
+    done = run("show_help", check=False)
     assert done.returncode == 0
     assert "--dataloader_multiprocessing_context" in done.stdout  # ms-swift's own help first
     for flag in ("--safe_media {true,false}", "--safe_media_timeout SECONDS", "--safe_media_mp_context",

@@ -118,55 +118,9 @@ class Job:
         pytest.fail(f"{self.log.name} printed no RESULT:\n{self.output()[-3000:]}")
 
 
-SWIFT_STOCK = """
-from swift.template.vision_utils import load_video_cogvlm2
-print("DECODING", flush=True)
-video = load_video_cogvlm2({cut!r})
-print("RETURNED", tuple(video.shape), flush=True)
-"""
-
-SWIFT_PATCHED = """
-import json, os, time
-from swift.template.vision_utils import load_audio, load_video_cogvlm2
-from swift.template.media_worker import MediaDecodeTimeoutError
-load_audio({wav!r}, 16000)  # start the decode worker
-res = {{}}
-t = time.monotonic()
-try:
-    load_video_cogvlm2({cut!r})
-    res["decord"] = "returned"
-except MediaDecodeTimeoutError as e:
-    res["decord"] = str(e)
-res["decord_s"] = time.monotonic() - t
-os.environ["SWIFT_VIDEO_BACKEND"] = "torchcodec"
-t = time.monotonic()
-res["torchcodec_shape"] = list(load_video_cogvlm2({cut!r}).shape)
-res["torchcodec_s"] = time.monotonic() - t
-print("RESULT " + json.dumps(res), flush=True)
-"""
-
-LEROBOT_STOCK = """
-from lerobot.datasets.video_utils import decode_video_frames
-print("DECODING", flush=True)
-frames = decode_video_frames({stuck!r}, [0.0], 1e-4)
-print("RETURNED", tuple(frames.shape), flush=True)
-"""
-
-LEROBOT_PATCHED = """
-import json, time
-from lerobot.datasets.video_decode_worker import VideoDecodeTimeoutError
-from lerobot.datasets.video_utils import decode_video_frames
-res = {{"good_shape": list(decode_video_frames({good!r}, [0.0, 0.5], 1e-4, timeout_s=60).shape)}}
-t = time.monotonic()
-try:
-    decode_video_frames({stuck!r}, [0.0], 1e-4, timeout_s=3)
-    res["stuck"] = "returned"
-except VideoDecodeTimeoutError as e:
-    res["stuck"] = str(e)
-res["stuck_s"] = time.monotonic() - t
-res["after_shape"] = list(decode_video_frames({good!r}, [1.0], 1e-4, timeout_s=60).shape)
-print("RESULT " + json.dumps(res), flush=True)
-"""
+# The repros, run by path with the host tree alone on PYTHONPATH (see their docstrings).
+SWIFT_REPRO = str(ROOT / "tests" / "programs" / "swift_decode_repro.py")
+LEROBOT_REPRO = str(ROOT / "tests" / "programs" / "lerobot_decode_repro.py")
 
 
 def _lerobot_importable(src: Path):
@@ -206,9 +160,9 @@ def upstream(tmp_path_factory):
         "swift_tests": Job(folder, "swift_tests", pytest_cmd + [
             "tests/general/test_media_decode_timeout.py", "tests/general/test_video_backend.py",
             "tests/general/test_audio_no_audioread.py"], swift_patched, _env(swift_patched)),
-        "swift_stock": Job(folder, "swift_stock", [py, "-c", SWIFT_STOCK.format(cut=str(cut))], folder,
+        "swift_stock": Job(folder, "swift_stock", [py, SWIFT_REPRO, "stock", str(cut)], folder,
                            _env(swift_pristine)),
-        "swift_patched": Job(folder, "swift_patched", [py, "-c", SWIFT_PATCHED.format(cut=str(cut), wav=str(wav))],
+        "swift_patched": Job(folder, "swift_patched", [py, SWIFT_REPRO, "patched", str(cut), str(wav)],
                              folder, _env(swift_patched, SWIFT_MEDIA_DECODE_TIMEOUT="10")),
     }
     lerobot_missing = _lerobot_importable(lerobot_patched / "src")
@@ -216,10 +170,10 @@ def upstream(tmp_path_factory):
         jobs["lerobot_tests"] = Job(folder, "lerobot_tests", pytest_cmd + [
             "tests/datasets/test_video_decode_timeout.py", "tests/datasets/test_skip_failed_items.py"],
             lerobot_patched, _env(lerobot_patched / "src"))
-        jobs["lerobot_stock"] = Job(folder, "lerobot_stock", [py, "-c", LEROBOT_STOCK.format(stuck=str(stuck))],
+        jobs["lerobot_stock"] = Job(folder, "lerobot_stock", [py, LEROBOT_REPRO, "stock", str(stuck)],
                                     folder, _env(lerobot_pristine / "src"))
         jobs["lerobot_patched"] = Job(folder, "lerobot_patched", [
-            py, "-c", LEROBOT_PATCHED.format(stuck=str(stuck), good=str(good))], folder,
+            py, LEROBOT_REPRO, "patched", str(stuck), str(good)], folder,
             _env(lerobot_patched / "src"))
     yield {"trees": trees, "jobs": jobs, "lerobot_missing": lerobot_missing}
     for job in jobs.values():

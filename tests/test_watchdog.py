@@ -2,41 +2,19 @@
 stuck in a native call that holds the GIL."""
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 
-from .fresh import ROOT, clean_environment
-
-
-SCRIPT = textwrap.dedent("""
-    import logging, sys
-    import torch.utils.data
-    from swift_safe_media import watchdog
-    from tests.loader_datasets import StallingDataset
-
-    if __name__ == "__main__":
-        logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
-        watchdog.install()
-        loader = torch.utils.data.DataLoader(StallingDataset(), batch_size=None, num_workers=2,
-                                             multiprocessing_context="spawn")
-        for item in loader:
-            print("batch", item, flush=True)
-""")
+from .fresh import ROOT, clean_environment, run_python
 
 
 @pytest.mark.timeout(180)
-def test_stall_dumps_every_process_then_aborts(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+def test_stall_dumps_every_process_then_aborts():
     env = dict(os.environ, SWIFT_SAFE_MEDIA_STALL_TIMEOUT="20", SWIFT_SAFE_MEDIA_STALL_ACTION="abort",
                PYTHONPATH=ROOT)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=150)
+    done = run_python(module="tests.programs.stalling_training", env=env, timeout=150, check=False)
     elapsed = time.monotonic() - started
     assert done.returncode == 75, done.stderr[-3000:]
     log = done.stderr
@@ -65,24 +43,6 @@ def test_watchdog_is_off_unless_configured(monkeypatch):
 def test_disable_undoes_the_watchdog():
     """enable() with a stall timeout patches DataLoader iteration and starts the watchdog;
     disable() restores torch's own ``__next__``, stops the thread and drops the in-flight folder."""
-    code = textwrap.dedent("""
-        import os, threading
-        import swift_safe_media
-        from torch.utils.data import dataloader
-        stock = dataloader._BaseDataLoaderIter.__next__
-        swift_safe_media.enable(hosts=["swift"])
-        folder = os.environ["SWIFT_SAFE_MEDIA_INFLIGHT_DIR"]
-        watching = [t.name for t in threading.enumerate() if t.name == "swift-safe-media-watchdog"]
-        print(dataloader._BaseDataLoaderIter.__next__ is not stock, watching != [], os.path.isdir(folder))
-        swift_safe_media.disable()
-        watching = [t for t in threading.enumerate() if t.name == "swift-safe-media-watchdog"]
-        for thread in watching:
-            thread.join(5)
-        print(dataloader._BaseDataLoaderIter.__next__ is stock, any(t.is_alive() for t in watching),
-              os.path.isdir(folder), "SWIFT_SAFE_MEDIA_INFLIGHT_DIR" in os.environ)
-    """)
     env = clean_environment({"SWIFT_SAFE_MEDIA_STALL_TIMEOUT": "30"}, pythonpath=[ROOT])
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python(module="tests.programs.watchdog_disable", env=env, timeout=100)
     assert done.stdout.splitlines() == ["True True True", "True False False False"]
