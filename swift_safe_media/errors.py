@@ -58,8 +58,31 @@ def is_out_of_memory(exc: BaseException) -> bool:
         text = (exc.reason if isinstance(exc, MediaDecodeError) else str(exc)).lower()
         if any(marker.lower() in text for marker in _OUT_OF_MEMORY_TEXTS):
             return True
+        if ((isinstance(exc, OSError) and exc.errno == 11) or "resource temporarily unavailable" in text) \
+                and _at_address_space_cap():
+            return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _at_address_space_cap() -> bool:
+    """Whether this process came within one thread stack of its RLIMIT_AS (a sandbox's
+    memory cap). There a decoder's new thread fails with EAGAIN, not ENOMEM, because its
+    stack cannot be mapped. Without a cap (the caller) this is always False."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return False
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    if stack == resource.RLIM_INFINITY or stack <= 0:
+        stack = 8 << 20  # glibc's default thread stack on 64-bit Linux
+    try:
+        with open("/proc/self/status") as status:
+            peak = next(int(line.split()[1]) << 10 for line in status if line.startswith("VmPeak:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return peak + stack >= limit
 
 
 class ProtectionUnavailable(RuntimeError):
