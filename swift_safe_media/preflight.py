@@ -31,7 +31,6 @@ import ctypes
 import dataclasses
 import glob
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -40,6 +39,7 @@ import sys
 
 from . import config
 from .errors import ProtectionUnavailable
+from .integrations import installed_version, parse_version
 
 # What each host's safe loaders decode with (see the adapters): ms-swift's twins use
 # torchcodec for video and for audio in containers, soundfile and soxr for the rest;
@@ -73,17 +73,6 @@ class Finding:
         return self.problem is None
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text or "")[:3])
-
-
-def _installed(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def pip_install(requirement: str) -> str:
     """The exact command for this interpreter (a bare ``pip`` may belong to another one)."""
     return f'{sys.executable} -m pip install "{requirement}"'
@@ -91,7 +80,7 @@ def pip_install(requirement: str) -> str:
 
 def torchcodec_requirement(torch_version: str | None) -> str:
     """The torchcodec that goes with this torch, as a pip requirement."""
-    wanted = _version(torch_version or "")[:2]
+    wanted = parse_version(torch_version or "")[:2]
     if wanted >= _STABLE_ABI[0]:
         return "torchcodec" + _STABLE_ABI[1]
     return "torchcodec" + _TORCHCODEC_FOR_TORCH.get(wanted, "")
@@ -113,7 +102,7 @@ def ffmpeg_fix(majors: list[int]) -> str:
 # --- the pieces ---------------------------------------------------------------------
 
 def check_torch() -> Finding:
-    found = Finding("torch", _installed("torch"))
+    found = Finding("torch", installed_version("torch"))
     if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
         found.problem = "torch is not installed"
         found.fix = "install torch first: https://pytorch.org/get-started/locally/"
@@ -141,7 +130,7 @@ def _torchcodec_libraries(package_dir: str) -> list[tuple[int, str, str]]:
 
 def check_torchcodec(torch_found: Finding) -> tuple[Finding, Finding]:
     """(torchcodec, FFmpeg): whether torchcodec's libraries load with this torch and this FFmpeg."""
-    torchcodec = Finding("torchcodec", _installed("torchcodec"))
+    torchcodec = Finding("torchcodec", installed_version("torchcodec"))
     ffmpeg = Finding("FFmpeg", ffmpeg_version())
     requirement = torchcodec_requirement(torch_found.version)
     if not torch_found.ok:
@@ -215,7 +204,7 @@ def ffmpeg_version(major: int | None = None) -> str | None:
 
 
 def check_module(name: str, distribution: str, purpose: str, version_of=None) -> Finding:
-    found = Finding(name, _installed(distribution))
+    found = Finding(name, installed_version(distribution))
     try:
         module = importlib.import_module(name)
     except Exception as exc:  # ImportError, or OSError when its native library is missing
