@@ -19,7 +19,7 @@ first batch goes, the pickled size of what each worker receives, and our own mod
 import time in a worker.
 
     .venv/bin/python bench/pipeline.py [--rows 6] [--rounds 2] [--workers 2]
-        [--only swift|lerobot] [--protected-context spawn|forkserver|fork|default]
+        [--only swift|lerobot] [--lerobot-setup-seconds 0] [--protected-context spawn|forkserver|fork|default]
         [--protected-env SWIFT_SAFE_MEDIA_THREADS=1 ...] [--stock-context fork] [--breakdown]
 
 The issue's full run: ``--rows 24 --rounds 3 --lerobot-batches 60``.
@@ -151,7 +151,7 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
     env.update(extra_env)
     command = [sys.executable, __file__, "--child", pipeline, "--side", side, "--workers", str(args.workers),
                "--inputs", json.dumps(inputs), "--lerobot-batches", str(args.lerobot_batches),
-               "--batch-size", str(args.batch_size)]
+               "--batch-size", str(args.batch_size), "--lerobot-setup-seconds", str(args.lerobot_setup_seconds)]
     context = args.protected_context if side == "protected" else args.stock_context
     if context:
         command += ["--context", context]
@@ -224,6 +224,9 @@ def child_lerobot(args, inputs: dict) -> dict:
     from lerobot.datasets.utils import cycle
 
     dataset = LeRobotDataset(_bench_lerobot().REPO_ID, root=inputs["root"])
+    # lerobot-train makes (or loads) its policy between parsing its arguments, where
+    # protection starts, and its first batch; this pipeline alone has no model to load.
+    time.sleep(args.lerobot_setup_seconds)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
                         generator=torch.Generator().manual_seed(0), drop_last=True, **_context(args))
     batches = cycle(loader)  # how lerobot-train draws batches (and where protection picks the start method)
@@ -315,7 +318,9 @@ def _note_what_workers_receive(folder, parts: dict) -> None:
     sizes = {}
     context.set_spawning_popen(object())
     try:
-        for name, value in parts.items():
+        # A worker's arguments are pickled in one go, so what they share (the template, here)
+        # travels once: "together" is what a worker really receives.
+        for name, value in {**parts, "together": tuple(parts.values())}.items():
             data = reduction.ForkingPickler.dumps(value)
             started = time.perf_counter()
             pickle.loads(data)
@@ -399,6 +404,9 @@ def main() -> None:
     parser.add_argument("--lerobot-batches", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=8, help="LeRobot samples per batch")
     parser.add_argument("--lerobot-seconds", type=int, default=10, help="length of the recorded episode")
+    parser.add_argument("--lerobot-setup-seconds", type=float, default=0.0,
+                        help="wait between building the LeRobot dataset and its first batch, both sides "
+                             "(stands for lerobot-train making its policy; 0: none)")
     parser.add_argument("--protected-context", choices=("spawn", "forkserver", "fork", "default"),
                         help="start method of the protected side (default: protection's own choice)")
     parser.add_argument("--stock-context", choices=("spawn", "forkserver", "fork"), default="fork")
@@ -440,7 +448,9 @@ def main() -> None:
     if args.only in (None, "lerobot"):
         pipelines.append(("lerobot", build_lerobot_inputs(work, args.lerobot_seconds),
                           f"LeRobotDataset, 2 cameras 640x480 AV1, shuffled, batch size {args.batch_size}, "
-                          f"{args.lerobot_batches} batches through cycle()"))
+                          f"{args.lerobot_batches} batches through cycle()"
+                          + (f", {args.lerobot_setup_seconds:g} s between dataset and first batch"
+                             if args.lerobot_setup_seconds else "")))
     for pipeline, inputs, what in pipelines:
         results = {"stock": [], "protected": []}
         for number in range(args.rounds):

@@ -25,7 +25,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     Raises ProtectionUnavailable, before anything is patched or started, when the
     decoders of ``hosts`` cannot load here (checked once per run: see ``preflight``).
     Calling it again (with a registry known only later, say) updates the settings."""
-    from . import preflight, spawn_guard, watchdog
+    from . import preflight, warm_start, watchdog, worker_start
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
@@ -35,7 +35,9 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     _choose_stats_dir()
     integrations.enable_hosts(hosts)
     watchdog.install()
-    spawn_guard.install()
+    worker_start.install()
+    if _starts_runs():
+        warm_start.start(hosts)  # in the background: done while the run loads its model
 
 
 _chosen_stats_dir: str | None = None
@@ -83,11 +85,12 @@ def _remove_at_exit(folder: str) -> None:
 def disable() -> None:
     """Undo what ``enable`` did here (the hosts' own loaders, DataLoader iteration without
     the watchdog), and keep children from turning protection on."""
-    from . import watchdog
+    from . import warm_start, watchdog
 
     config.put(config.ENABLED, False)
     integrations.disable_hosts()
     watchdog.uninstall()
+    warm_start.stop()
 
 
 def is_enabled() -> bool:
@@ -117,7 +120,10 @@ def on_host_imported(host: str) -> None:
 
 
 def _starts_runs() -> bool:
-    """False in a DataLoader worker or a sandbox: they join their parent's run."""
+    """False in a DataLoader worker, a sandbox or the warm forkserver: they join their parent's run."""
     import multiprocessing
 
-    return multiprocessing.parent_process() is None and not sandbox.in_sandbox()
+    from . import warm_start
+
+    return (multiprocessing.parent_process() is None and not sandbox.in_sandbox()
+            and not warm_start.in_forkserver())

@@ -133,6 +133,9 @@ THREADS = _declare("SWIFT_SAFE_MEDIA_THREADS", INT, decode_thread_budget,
                    "(DataLoader workers x sandboxes x `LOCAL_WORLD_SIZE`), at least 1", minimum=1)
 SANDBOXES = _declare("SWIFT_SAFE_MEDIA_SANDBOXES", INT, 1, "sandboxes per calling process", minimum=1)
 PRELOAD = _declare("SWIFT_SAFE_MEDIA_PRELOAD", LIST, DEFAULT_PRELOAD, "modules the zygote imports once")
+ZYGOTE = _declare("SWIFT_SAFE_MEDIA_ZYGOTE", TEXT, None,
+                  "the zygote this rank shares with its DataLoader workers: its kind and socket",
+                  internal=True)
 START_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_START_TIMEOUT", FLOAT, DEFAULT_START_TIMEOUT_S,
                          "seconds the zygote may take to start", minimum=1.0)
 # Confinement of the decode sandboxes (confine.py).
@@ -143,8 +146,16 @@ READ_ROOTS = _declare("SWIFT_SAFE_MEDIA_READ_ROOTS", TEXT, None,  # os.pathsep-s
 CONFINE_WARNED = _declare("SWIFT_SAFE_MEDIA_CONFINE_WARNED", SWITCH, False,
                           "the log said once that a confinement layer is missing here", internal=True)
 # DataLoader workers.
-MP_CONTEXT = _declare("SWIFT_SAFE_MEDIA_MP_CONTEXT", CHOICE, "spawn",
-                      "DataLoader worker start method (`default`: the host's own)", choices=MP_CONTEXTS)
+MP_CONTEXT = _declare("SWIFT_SAFE_MEDIA_MP_CONTEXT", CHOICE, "forkserver",
+                      "DataLoader worker start method (`forkserver`: the warm one; `default`: the host's own)",
+                      choices=MP_CONTEXTS)
+WARM_START = _declare("SWIFT_SAFE_MEDIA_WARM_START", SWITCH, True,
+                      "`enable()` starts the warm forkserver and the rank's shared zygote in the background; "
+                      "`0`: each process starts its own zygote at its first decode")
+WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
+                          "more modules the warm forkserver imports for DataLoader workers")
+FORKSERVER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_PRELOAD", LIST, "",
+                              "what the warm forkserver imports", internal=True)
 # Never silent: quarantine, watchdog, summary, error budget.
 QUARANTINE = _declare("SWIFT_SAFE_MEDIA_QUARANTINE", PATH, None,
                       "quarantine registry (JSONL); unset or empty: off")

@@ -25,7 +25,7 @@ import time
 
 from . import config, confine, process, transport
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
-from .zygote import SandboxHandle, Zygote
+from .zygote import SandboxHandle, Zygote, shared_address
 
 log = logging.getLogger("swift_safe_media")
 
@@ -69,6 +69,7 @@ class Engine:
         self._lock = threading.Condition()
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
+        self._shared_failed = False  # the rank's shared zygote failed us: use our own from now on
         self._idle: list[SandboxHandle] = []
         self._busy = 0
         self._closed = False
@@ -125,18 +126,44 @@ class Engine:
             self._lock.notify()
 
     def _spawn(self, deadline: float | None = None) -> SandboxHandle:
+        deadline = deadline or time.monotonic() + config.start_timeout()
         with self._zygote_lock:
-            if self._zygote is None or not self._zygote.is_alive():
-                self._drop_zygote()
-                self._zygote = Zygote(config.start_timeout(), self.confined)
-            try:
-                box = self._zygote.spawn(config.max_memory_mb(),
-                                         deadline or time.monotonic() + config.start_timeout())
-            except BaseException:
-                self._drop_zygote()  # a reply may still be on its way: the channel is out of step
-                raise
+            while True:
+                if self._zygote is None or not self._zygote.is_alive():
+                    self._drop_zygote()
+                    self._zygote = self._open_zygote()
+                try:
+                    box = self._zygote.spawn(config.max_memory_mb(), deadline)
+                    break
+                except (OSError, EOFError) as exc:
+                    shared = self._zygote.process is None
+                    self._drop_zygote()  # a reply may still be on its way: the channel is out of step
+                    # A slow answer is not a dead zygote (it may be importing, or forking
+                    # for another caller): only a refused or broken connection is.
+                    if not shared or isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                        raise
+                    self._shared_unusable(exc)  # then once more, with a zygote of our own
+                except BaseException:
+                    self._drop_zygote()
+                    raise
         self.stats["sandboxes_started"] += 1
         return box
+
+    def _open_zygote(self) -> Zygote:
+        """The rank's shared zygote when there is one (see :class:`~.zygote.SharedZygote`),
+        else a zygote of this process's own."""
+        address = None if self._shared_failed else shared_address(self.confined)
+        if address is not None:
+            try:
+                return Zygote.connect(address)
+            except OSError as exc:
+                self._shared_unusable(exc)
+        return Zygote(config.start_timeout(), self.confined)
+
+    def _shared_unusable(self, exc) -> None:
+        self._shared_failed = True
+        log.warning("swift_safe_media: the shared zygote is not answering (%s); this process "
+                    "starts its own", exc)
 
     def _drop_zygote(self) -> None:
         if self._zygote is not None:
@@ -329,13 +356,17 @@ def get_engine(confined: bool | None = None) -> Engine:
 
 
 def shutdown() -> None:
-    """Stop this process's sandboxes and zygotes (also done at exit)."""
+    """Stop this process's sandboxes and zygotes, the shared one it started included (also
+    done at exit)."""
     state = process.current()
     with state.engine_lock:
         engines = list(state.engines.values())
         state.engines.clear()
     for engine in engines:
         engine.close()
+    if state.shared_zygote is not None:  # after its callers here: their sandboxes go first
+        state.shared_zygote.close()
+        state.shared_zygote = None
 
 
 atexit.register(shutdown)

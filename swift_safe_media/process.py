@@ -15,6 +15,7 @@ process's own) and the in-sandbox flag (:mod:`.sandbox`, true in a sandbox's chi
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +32,14 @@ class ProcessState:
     failed_files: object = None  # quarantine.Registry in memory: LeRobot's files that failed here
     last_logged_failure: tuple | None = None  # ms-swift: (path, reason) last logged (its retries are not)
     batches_drawn: int = 0  # LeRobot: batches lerobot-train has drawn through ``cycle``
+    # Whether the run this process starts will have DataLoader workers (an adapter knows it
+    # from the parsed arguments; None: unknown): the warm forkserver is started only for them
+    dataloader_workers_expected: bool | None = None
+    shared_zygote: object = None
+    # The environment the warm forkserver this process started was given (None: none is
+    # ours): what it forks starts with that, not with this process's environment of the
+    # moment (CPython's rule), so workers are brought up to date (warm_start)
+    forkserver_environment: dict | None = None  # zygote.SharedZygote this process started for its workers (warm_start)
 
 
 _state = ProcessState()
@@ -45,6 +54,21 @@ def _after_fork_in_child() -> None:
     inherited, _state = _state, ProcessState()
     for engine in inherited.engines.values():
         engine.abandon()
+    if inherited.shared_zygote is not None:
+        inherited.shared_zygote.abandon()  # the parent's; the child reaches it as a caller
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# What a zygote and a sandbox call themselves in /proc/<pid>/comm (ps, top, the watchdog's
+# report): forked from the warm forkserver, they have its command line.
+ZYGOTE_NAME, SANDBOX_NAME = "ssm-zygote", "ssm-sandbox"
+_PR_SET_NAME = 15
+
+
+def set_name(name: str) -> None:
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

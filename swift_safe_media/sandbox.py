@@ -23,7 +23,7 @@ import socket
 import sys
 import traceback
 
-from . import config, confine, errors, transport
+from . import config, confine, errors, process, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -50,6 +50,7 @@ def remember_caller_main(main: dict | None) -> None:
 
 def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None) -> None:
     os.setsid()
+    process.set_name(process.SANDBOX_NAME)
     _die_with_parent()
     if os.getppid() != parent:  # the zygote died before the death signal was armed
         os._exit(0)
@@ -193,7 +194,9 @@ def _reply_error(conn, exc: BaseException, memory_cap_mb: int) -> None:
 
 class _SandboxUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if module == "__main__":
+        # In a spawned or forkserver worker the script runs as __mp_main__, and its
+        # functions pickle under that name (multiprocessing aliases it to __main__ here).
+        if module in ("__main__", "__mp_main__"):
             _load_caller_main()
         return super().find_class(module, name)
 

@@ -8,6 +8,7 @@ inside a ``__name__ == "__main__"`` test, a child would run it again. That DataL
 then forks its workers, as stock PyTorch does on Linux, and one warning names the
 script and the line (chosen over an error: the script ran before protection was on,
 and protection still bounds every decode; only the workers' start method changes).
+The check runs as each DataLoader starts its workers (:mod:`.worker_start`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ RERUN_BY_CHILDREN = ("spawn", "forkserver")
 _warned: set[str] = set()  # scripts named in a warning already
 
 
-def unguarded_main_statement() -> tuple[str, int] | None:
+def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, int] | None:
     """(script, line) when the main script's module code is running a statement that a
-    spawned child would run again; None when it is guarded, finished, or not a file."""
+    spawned child would run again; None when it is guarded, finished, or not a file (or,
+    with ``imports_are_harmless``, an import: a child re-running it finds it done)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if not path:
@@ -39,9 +41,22 @@ def unguarded_main_statement() -> tuple[str, int] | None:
     if frame is None:
         return None  # its module code has finished: a child's re-run stops short of this
     line = frame.f_lineno
-    if _is_guarded(path, line):
+    if _is_guarded(path, line) or (imports_are_harmless and line in _import_lines(path)):
         return None
     return path, line
+
+
+@functools.lru_cache(maxsize=8)
+def _import_lines(path: str) -> frozenset[int]:
+    """Lines of the script's top-level import statements (a hook such as ours may run
+    inside one: the start-up hook enables protection as the host is imported)."""
+    try:
+        with open(path, "rb") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    return frozenset(line for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for line in range(node.lineno, node.end_lineno + 1))
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,38 +131,3 @@ def fork_if_main_would_rerun(loader) -> None:
                     "`if __name__ == \"__main__\":`; %s workers would run the script again and the "
                     "run would hang, so this DataLoader forks its workers instead. Put the training "
                     "code under that guard to get %s workers.", script, line, method, method)
-
-
-_installed = False
-DATALOADER_MODULE = "torch.utils.data.dataloader"
-
-
-def install() -> None:
-    """Check every DataLoader of this process before it starts workers, while protection
-    is on (now, or once torch's DataLoader is imported)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from .integrations import _imports
-
-    _imports.when_imported(DATALOADER_MODULE, _patch_dataloader)
-
-
-def _patch_dataloader(module) -> None:
-    from . import config
-
-    DataLoader = module.DataLoader
-
-    stock_get_iterator = DataLoader._get_iterator
-
-    @functools.wraps(stock_get_iterator)
-    def _get_iterator(self):
-        try:
-            if config.enabled_by_environment():
-                fork_if_main_would_rerun(self)
-        except Exception:  # the check must never stop the DataLoader itself
-            log.debug("swift_safe_media: main-script check skipped", exc_info=True)
-        return stock_get_iterator(self)
-
-    DataLoader._get_iterator = _get_iterator

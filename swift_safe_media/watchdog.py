@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 
-from . import config
+from . import config, process
 from .integrations._patching import MethodPatcher
 from .config import INFLIGHT_DIR  # set by the watchdog; workers inherit it
 
@@ -133,10 +133,23 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
+def _comm(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
+
 def _describe(pid: int) -> str:
     text = _cmdline(pid)
     if text is None:
         return "gone"
+    name = _comm(pid)  # zygotes and sandboxes forked from the warm forkserver share its command line
+    if name in (process.ZYGOTE_NAME, process.SANDBOX_NAME):
+        return "zygote" if name == process.ZYGOTE_NAME else "sandbox"
+    if "multiprocessing.forkserver import main" in text and "multiprocessing" not in (_cmdline(_parent_of(pid)) or ""):
+        return "forkserver"
     forked_by_zygote = "zygote_main" in (_cmdline(_parent_of(pid)) or "")
     if "exec_sandbox_main" in text or ("zygote_main" in text and forked_by_zygote):
         return "sandbox"

@@ -3,7 +3,7 @@ process-wide, so most tests of them run their case in a new ``python``.
 
 ``ROOT`` is the checkout; :func:`clean_environment` is this process's environment
 without any ``SWIFT_SAFE_MEDIA*`` setting (so the outer test run cannot leak into the
-case), plus what the case sets; :func:`run_python` runs a program (``-c`` text or
+case), without the warm start unless asked, plus what the case sets; :func:`run_python` runs a program (``-c`` text or
 ``-m`` module) with it and returns the finished process.
 """
 
@@ -16,8 +16,18 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def clean_environment(extra: dict | None = None, *, pythonpath: list[str] | None = None) -> dict:
+# Cases about patches, flags and settings run without the warm start (a forkserver and a
+# zygote importing the decoders in the background of every short program on a 2-core box);
+# the cases that start DataLoader workers (the real `swift sft` and LeRobot runs, the warm
+# start's own tests) pass ``warm_start=True``: the default users get.
+COLD = {"SWIFT_SAFE_MEDIA_WARM_START": "0"}
+
+
+def clean_environment(extra: dict | None = None, *, pythonpath: list[str] | None = None,
+                      warm_start: bool = False) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    if not warm_start:
+        env.update(COLD)
     env.update(extra or {})
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(pythonpath)

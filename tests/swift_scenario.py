@@ -153,7 +153,7 @@ def run_sft(argv: list[str], *, env: dict[str, str] | None = None, timeout: floa
     """Run `swift sft ARGV` in its own session; kill its whole process group after
     ``timeout`` s, or once the training loop has gone ``stall_timeout`` s without a step.
     Returns (exit code, or None when killed; wall seconds; the log)."""
-    full_env = clean_environment({**RUN_ENV, **(env or {})})
+    full_env = clean_environment({**RUN_ENV, **(env or {})}, warm_start=True)
     start = time.monotonic()
     progress, last_progress = None, start
     with open(log_path, "wb") as log:

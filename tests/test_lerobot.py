@@ -35,7 +35,7 @@ HANGING_EPISODE, TRUNCATED_EPISODE = 1, 2
 
 
 def start_scenario(*args, env=None) -> subprocess.Popen:
-    environment = clean_environment(env)
+    environment = clean_environment(env, warm_start=True)
     return subprocess.Popen([sys.executable, "-m", "tests.lerobot_scenarios", *map(str, args)],
                             cwd=REPO, env=environment, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -152,7 +152,7 @@ def test_training_loop_logs_the_run_summary_every_log_freq_batches_and_at_exit(d
         env={**PROTECTED, "SWIFT_SAFE_MEDIA_QUARANTINE": str(registry), "SWIFT_SAFE_MEDIA_SUMMARY_STEPS": "5"},
         bound=400)
     assert code == 0, stderr[-3000:]
-    assert result == {"steps": 12, "start_method": "spawn"}
+    assert result == {"steps": 12, "start_method": "forkserver"}
     for step in (5, 10, 12):  # every 5 batches, then the last one at exit
         assert f"swift_safe_media summary at step {step}: " in stderr, stderr[-3000:]
     summary = json.loads((registry.parent / "safe_media_summary.json").read_text())
@@ -302,7 +302,7 @@ def test_lerobot_train_dataloaders_get_the_configured_start_method():
     assert code == 0, stderr[-3000:]
     # Set on the torch DataLoader that starts the workers, also under a wrapper that keeps
     # attribute writes to itself (accelerator.prepare in lerobot-train).
-    assert result == {"workers": "spawn", "forwarding_wrapper": "spawn", "accelerate_prepared": "spawn",
+    assert result == {"workers": "forkserver", "forwarding_wrapper": "forkserver", "accelerate_prepared": "forkserver",
                       "workers_forkserver": "forkserver", "workers_default": None,
                       "user_choice": "fork", "no_workers": None,
                       "train_config_0_4_4_has_field": False, "newer_has_field": True}

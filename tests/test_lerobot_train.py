@@ -171,7 +171,7 @@ def test_protected_lerobot_train_trains_every_step_names_every_bad_file_in_spawn
     assert_every_bad_file_named(output, datasets["bad"])
 
     # Workers come from spawn (or a clean forkserver), not from forking the trainer.
-    assert "swift_safe_media: DataLoader workers use the 'spawn' start method" in output, output[-4000:]
+    assert "swift_safe_media: DataLoader workers use the 'forkserver' start method" in output, output[-4000:]
     spawned, forked = dataloader_workers(run)
     assert len(spawned) >= 2 and not forked, (spawned, forked)
     assert not left_behind(run["seen"])

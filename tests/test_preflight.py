@@ -132,8 +132,8 @@ def test_doctor_on_a_healthy_machine_shows_what_is_in_force(tmp_path):
     assert re.search(r"ms-swift\s+4\.\d+\.\d+, supported", output)
     assert re.search(r"SWIFT_SAFE_MEDIA_TIMEOUT\s+30\s+\(flag\)", output)
     assert re.search(r"SWIFT_SAFE_MEDIA_STALL_TIMEOUT\s+120\s+\(environment\)", output)
-    assert re.search(r"SWIFT_SAFE_MEDIA_MP_CONTEXT\s+spawn\s+\(default\)", output)
-    assert re.search(r"start method\s+spawn", output)
+    assert re.search(r"SWIFT_SAFE_MEDIA_MP_CONTEXT\s+forkserver\s+\(default\)", output)
+    assert re.search(r"start method\s+forkserver", output)
     assert re.search(r"confinement\s+\S", output)
     assert re.search(r"sample decode\s+ok: 8 frames of 32x32 by torchcodec, 0.25 s of sound.*first call [\d.]+ s", output)
     assert "protection can work here" in output

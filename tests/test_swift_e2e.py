@@ -63,7 +63,7 @@ def test_with_the_flag_the_run_finishes_names_quarantines_and_counts_each_bad_cl
     print(f"protected swift sft: {elapsed:.1f} s")
     # LazyLLMDataset resamples a failed row: the epoch keeps one step per row.
     assert_protected_run(code, log, planned=ROWS)
-    assert "dataloader_multiprocessing_context=spawn" in log  # workers are spawned, not forked
+    assert "dataloader_multiprocessing_context=forkserver" in log  # workers come from the warm forkserver
     folder = scenario.run_folder(str(tmp_path / "out"))
     assert_registry_and_summary(folder, log, steps=ROWS)
     assert os.listdir(folder / "swift_safe_media_stats")  # the stats sit next to the registry

@@ -24,11 +24,11 @@ def results(done):
 def test_flags_parse_apply_reach_the_environment_and_take_precedence():
     done = run("precedence", check=False)
     spawned, infer, users, default, off, from_env, from_flag = results(done)
-    assert spawned["remaining"] == [] and spawned["args"] == {"model": "x", "dataloader_multiprocessing_context": "spawn"}
+    assert spawned["remaining"] == [] and spawned["args"] == {"model": "x", "dataloader_multiprocessing_context": "forkserver"}
     assert spawned["enabled"] is True
     assert spawned["env"].items() >= {"SWIFT_SAFE_MEDIA": "1", "SWIFT_SAFE_MEDIA_TIMEOUT": "7.0",
                                       "SWIFT_SAFE_MEDIA_MAX_MEMORY_MB": "2048"}.items()
-    assert "SWIFT_SAFE_MEDIA_MP_CONTEXT" not in spawned["env"]  # the default, spawn, is not written
+    assert "SWIFT_SAFE_MEDIA_MP_CONTEXT" not in spawned["env"]  # the default, forkserver, is not written
     assert infer["remaining"] == [] and infer["env"]["SWIFT_SAFE_MEDIA_MP_CONTEXT"] == "forkserver"
     assert users["args"]["dataloader_multiprocessing_context"] == "fork"
     assert default["args"]["dataloader_multiprocessing_context"] is None

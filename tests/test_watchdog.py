@@ -10,11 +10,15 @@ from .fresh import ROOT, clean_environment, run_python
 
 
 @pytest.mark.timeout(180)
-def test_stall_dumps_every_process_then_aborts():
+@pytest.mark.parametrize("start", ["spawn", "warm"])
+def test_stall_dumps_every_process_then_aborts(start):
+    """Also with the warm start: workers from the forkserver, sandboxes from the shared
+    zygote (named by their process names, since they share the forkserver's command line)."""
     env = dict(os.environ, SWIFT_SAFE_MEDIA_STALL_TIMEOUT="20", SWIFT_SAFE_MEDIA_STALL_ACTION="abort",
                PYTHONPATH=ROOT)
     started = time.monotonic()
-    done = run_python(module="tests.programs.stalling_training", env=env, timeout=150, check=False)
+    done = run_python(module="tests.programs.stalling_training", args=["warm"] if start == "warm" else [],
+                      env=env, timeout=150, check=False)
     elapsed = time.monotonic() - started
     assert done.returncode == 75, done.stderr[-3000:]
     log = done.stderr

@@ -11,6 +11,8 @@ Each adapter module (one per host, dd-trace style) provides:
 - optionally ``register_flags()`` with ``FLAG_MODULES``: adds the host's command-line
   flags (:mod:`.flags`) once one of those modules is imported; they must parse even
   while the package is off, so a command line that has them never breaks;
+- optionally ``WORKER_PRELOAD``: modules DataLoader workers need to unpickle the host's
+  dataset, imported once by the warm forkserver (:mod:`..warm_start`);
 - optionally ``command_line_asks_for_protection()``: True when this process's command
   line turns protection on, so the decoders are checked as the host starts importing.
 

@@ -43,6 +43,9 @@ from ._patching import Patches, Target, original_of
 
 log = logging.getLogger("swift_safe_media")
 
+# What DataLoader workers need to unpickle a LeRobotDataset: the warm forkserver imports
+# it once (see warm_start).
+WORKER_PRELOAD = ("lerobot.datasets.lerobot_dataset", "lerobot.datasets.utils")
 HOST = "lerobot"
 DISTRIBUTION = "lerobot"
 SUPPORTED = ((0, 4, 0), (0, 5, 0))  # dataset format v3.0; tested with 0.4.4

@@ -37,6 +37,9 @@ log = logging.getLogger("swift_safe_media")
 HOST = "swift"
 DISTRIBUTION = "ms-swift"
 SUPPORTED = ((4, 0), (5, 0))
+# What DataLoader workers need to unpickle LazyLLMDataset, the template and its processor:
+# the warm forkserver imports it once (see warm_start).
+WORKER_PRELOAD = ("transformers", "datasets", "swift.template", "swift.dataset.utils")
 
 _SWIFT_LOADERS = ("load_audio", "load_video_internvl", "load_video_cogvlm2", "load_video_llava",
                   "load_video_minicpmv_mplug_owl3", "load_video_valley", "load_video_ovis2", "load_video_ovis2_5",
@@ -273,7 +276,10 @@ def protect_run(args) -> None:
     before any DataLoader worker starts."""
     import swift_safe_media
 
-    output_dir = getattr(getattr(args, "training_args", None), "output_dir", None)
+    training = getattr(args, "training_args", None)
+    output_dir = getattr(training, "output_dir", None)
+    # Inference and export have no DataLoader workers: no warm forkserver for them.
+    process.current().dataloader_workers_expected = bool(getattr(training or args, "dataloader_num_workers", 0))
     registry = None
     if output_dir and not config.is_set(config.QUARANTINE):
         registry = os.path.join(output_dir, RUN_FOLDER, "quarantine.jsonl")

@@ -1,0 +1,217 @@
+"""Start early, off the critical path: what ``enable()`` starts in a training process (a
+rank) long before its first batch, so their imports overlap the model's loading.
+
+- **The warm forkserver.** CPython's own forkserver (``multiprocessing.forkserver``), told
+  to preload :mod:`._forkserver_preload`: that imports, once, the zygote's modules and
+  the data stack of the enabled hosts (torch, transformers, ms-swift or LeRobot, our
+  decoders: ``WORKER_PRELOAD`` of each adapter, plus ``SWIFT_SAFE_MEDIA_WORKER_PRELOAD``)
+  with thread pools of one thread, then counts its threads. DataLoader workers started
+  by ``forkserver`` (the default ``SWIFT_SAFE_MEDIA_MP_CONTEXT``) fork from it: a clean
+  process that never ran the caller's threads, locks or decoder state, as spawn gives,
+  at fork speed and sharing its pages.
+- **The shared zygote** (:class:`.zygote.SharedZygote`): one per rank, used by the rank
+  and all its DataLoader workers. It is forked from the same forkserver (so it shares
+  those pages too), or started by exec where the forkserver is not ours to use.
+
+Both start in the background: ``enable()`` returns at once. A forkserver that ends up
+with a thread after its imports is not forked from: DataLoaders asking for it get spawn
+(one warning) and the zygote is started by exec instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+
+from . import config, process
+from .zygote import PARENT_THREADS_ENV, SharedZygote
+
+log = logging.getLogger("swift_safe_media")
+
+PRELOAD_MODULE = "swift_safe_media._forkserver_preload"
+FORKSERVER = "forkserver"
+
+_in_forkserver = False  # true in the warm forkserver itself (not in what it forks)
+
+
+def in_forkserver() -> bool:
+    return _in_forkserver
+
+
+def start(hosts) -> None:
+    """Start the warm forkserver (when DataLoader workers will use it: the start method is
+    ``forkserver`` and the host did not say the run has no workers, as ``swift infer``)
+    and this rank's shared zygote, once per process; a later ``enable()`` keeps them."""
+    state = process.current()
+    if state.shared_zygote is not None or not config.get(config.WARM_START):
+        return
+    # Its socket is named in the environment before the forkserver copies the environment.
+    shared = state.shared_zygote = SharedZygote(config.confine())
+    start_zygote = None
+    if (config.mp_context() == FORKSERVER and state.dataloader_workers_expected is not False
+            and _main_may_be_imported_again()):
+        try:
+            if _start_forkserver(hosts):
+                start_zygote = fork_zygote
+        except Exception as exc:  # the workers' start method still works, from a cold forkserver
+            log.warning("swift_safe_media: could not start the warm forkserver: %s", exc)
+    shared.start(start_zygote)
+
+
+def stop() -> None:
+    state = process.current()
+    if state.shared_zygote is not None:
+        state.shared_zygote.close()
+        state.shared_zygote = None
+
+
+def _main_may_be_imported_again() -> bool:
+    """A process forked from the forkserver imports the main script again (as spawn does):
+    harmless only if the statement running it now is under ``if __name__ == "__main__":``
+    or is an import (``SWIFT_SAFE_MEDIA=1`` enables protection as the host is imported)."""
+    from . import spawn_guard
+
+    return spawn_guard.unguarded_main_statement(imports_are_harmless=True) is None
+
+
+def worker_preload(hosts) -> list[str]:
+    """What the warm forkserver imports: the zygote's modules, the hosts' data stacks, the user's."""
+    from . import integrations
+
+    names = list(config.preload_modules())
+    for host in hosts or integrations.enabled_hosts():
+        names += getattr(integrations.adapter_for(host), "WORKER_PRELOAD", ())
+    names += config.get(config.WORKER_PRELOAD)
+    return list(dict.fromkeys(names))
+
+
+def _start_forkserver(hosts) -> bool:
+    """Start CPython's forkserver with our preload, unless it already runs (then it is
+    someone else's: left alone). True when it is ours."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return False
+    config.put(config.FORKSERVER_PRELOAD, ",".join(worker_preload(hosts)))
+    # Ours first, so nothing imports before the thread pools are quieted: not even the main
+    # script (CPython's default preload), which each worker imports again anyway.
+    theirs = [name for name in getattr(server, "_preload_modules", ()) if name not in (PRELOAD_MODULE, "__main__")]
+    multiprocessing.get_context(FORKSERVER).set_forkserver_preload([PRELOAD_MODULE, *theirs])
+    process.current().forkserver_environment = dict(os.environ)
+    server.ensure_running()  # starts it by exec and returns; it imports in the background
+    return True
+
+
+class _WithEnvironment:
+    """A DataLoader ``worker_init_fn`` that first brings the worker's environment up to
+    date with its parent's (picklable, so it reaches the worker with its arguments)."""
+
+    def __init__(self, changed: dict, removed: list, init_fn):
+        self.changed, self.removed, self.init_fn = changed, removed, init_fn
+
+    def __call__(self, worker_id):
+        for name in self.removed:
+            os.environ.pop(name, None)
+        os.environ.update(self.changed)
+        if self.init_fn is not None:
+            return self.init_fn(worker_id)
+
+
+@contextlib.contextmanager
+def workers_see_current_environment(loader, method: str):
+    """While ``loader`` starts workers from the warm forkserver: they adopt the loader's
+    process's environment as it is now (variables set after ``enable()`` included)."""
+    base = process.current().forkserver_environment
+    if base is None or method != FORKSERVER or loader.num_workers <= 0:
+        yield
+        return
+    changed = {name: value for name, value in os.environ.items() if base.get(name) != value}
+    removed = [name for name in base if name not in os.environ]
+    if not changed and not removed:
+        yield
+        return
+    init_fn = loader.worker_init_fn
+    loader.worker_init_fn = _WithEnvironment(changed, removed, init_fn)
+    try:
+        yield
+    finally:
+        loader.worker_init_fn = init_fn
+
+
+def fork_zygote(zygote_end, listener):
+    """Start the shared zygote as a child of the warm forkserver (blocks until it is forked,
+    which is once the forkserver has imported)."""
+    child = multiprocessing.get_context(FORKSERVER).Process(
+        target=_zygote_child, args=(zygote_end, listener), name="swift-safe-media-zygote", daemon=True)
+    child.start()
+    return child
+
+
+def _zygote_child(zygote_end, listener) -> None:
+    from . import zygote
+
+    zygote.zygote_main(zygote_end.detach(), listener.detach())
+
+
+def forkserver_verdict(timeout: float) -> str | None:
+    """Why DataLoader workers must not fork from the warm forkserver (it has threads), or
+    None. Waits (up to ``timeout``) for the shared zygote's report, when it was forked there."""
+    zygote = process.current().shared_zygote
+    if zygote is None or zygote.started_by is not fork_zygote:
+        return None
+    zygote.ready.wait(timeout)
+    return zygote.parent_problem
+
+
+# -- in the forkserver ----------------------------------------------------------------
+def preload_in_forkserver() -> None:
+    """Run by :mod:`._forkserver_preload` in the forkserver, before it forks anything."""
+    global _in_forkserver
+    _in_forkserver = True
+    os.register_at_fork(after_in_child=_forked_from_forkserver)
+    quiet = {name: "1" for name in config.THREAD_ENV_VARS}  # no thread pool may start at import
+    # pyarrow (under datasets and LeRobot) starts jemalloc's purging thread as it loads.
+    quiet["JE_ARROW_MALLOC_CONF"] = os.environ.get("JE_ARROW_MALLOC_CONF") or "background_thread:false"
+    saved = {name: os.environ.get(name) for name in quiet}
+    os.environ.update(quiet)
+    try:
+        from . import zygote
+
+        parent = os.getppid()  # the process that started it: once it is gone, so are we
+        zygote.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
+    finally:
+        for name, value in saved.items():  # what the workers see is the user's environment
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    # What is imported now stays shared with everything forked from here: frozen, the
+    # objects are left out of the children's garbage collections, which would otherwise
+    # write to (and so copy) every page holding one.
+    gc.collect()
+    gc.freeze()
+    threads = _threads()
+    os.environ[PARENT_THREADS_ENV] = str(len(threads))
+    if len(threads) > 1:
+        log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s); "
+                    "DataLoader workers will be spawned instead", len(threads), ", ".join(threads))
+
+
+def _forked_from_forkserver() -> None:
+    global _in_forkserver
+    _in_forkserver = False
+
+
+def _threads() -> list[str]:
+    try:
+        names = []
+        for task in sorted(os.listdir("/proc/self/task")):
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        return names
+    except OSError:
+        return ["?"]

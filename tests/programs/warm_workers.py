@@ -1,0 +1,139 @@
+"""DataLoader workers and sandboxes under the warm start (forkserver workers, one shared
+zygote per process that enables protection).
+
+``python -m tests.programs.warm_workers CASE [START_METHOD]`` prints one JSON object:
+
+- ``shared``: what two workers and the parent see: each sample's worker pid, the worker's
+  parent and thread count at its start, its sandbox's pid and the sandbox's parent (the
+  zygote); the parent's own sandbox; the shared zygote's pid; an environment variable
+  and a setting changed after ``enable()``, as workers and their sandboxes see them;
+- ``held_lock``: a parent thread holds a lock (as OpenCV's or a decoder's futex would
+  be held) while the DataLoader starts its workers; each worker then takes that lock
+  (5 s at most) and says whether it could;
+- ``zygote_dies``: the shared zygote is killed between two calls of the parent;
+- ``what_starts``: what ``enable()`` starts, given what the host knows of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import swift_safe_media
+from swift_safe_media import call, config, process
+from torch.utils.data import DataLoader, Dataset
+
+from tests import sandboxed
+
+LOCK = threading.Lock()  # module state a worker inherits by fork, and not by forkserver
+
+
+def worker_facts():
+    return {"pid": os.getpid(), "ppid": os.getppid(), "late": os.environ.get("WARM_WORKERS_LATE")}
+
+
+def sandbox_facts():
+    return {**sandboxed.process_facts(), "max_pixels": config.get(config.MAX_PIXELS),
+            "late": os.environ.get("WARM_WORKERS_LATE")}
+
+
+class Samples(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        return {"index": index, "worker": worker_facts(), "sandbox": call(sandbox_facts)}
+
+
+class TakeTheLock(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        got = LOCK.acquire(timeout=5)
+        if got:
+            LOCK.release()
+        return {"worker": os.getpid(), "got_lock": got}
+
+
+def note_start(_worker_id):
+    os.environ["WARM_WORKERS_THREADS_AT_START"] = str(len(os.listdir("/proc/self/task")))
+
+
+class WithStartThreads(Samples):
+    def __getitem__(self, index):
+        return {**super().__getitem__(index), "threads_at_start": int(os.environ["WARM_WORKERS_THREADS_AT_START"])}
+
+
+def _context(method):
+    return {} if method == "default" else {"multiprocessing_context": method}
+
+
+def shared(method):
+    swift_safe_media.enable(hosts=[])
+    os.environ["WARM_WORKERS_LATE"] = "set after enable"
+    config.put(config.MAX_PIXELS, 12345)
+    owner = process.current().shared_zygote
+    owner.ready.wait(120)
+    loader = DataLoader(WithStartThreads(), batch_size=None, num_workers=2, worker_init_fn=note_start,
+                        **_context(config.mp_context() if method == "ours" else method))
+    items = list(loader)
+    from multiprocessing import forkserver
+
+    return {"items": items, "parent": {"pid": os.getpid(), "sandbox": call(sandbox_facts)},
+            "zygote": owner.pid, "zygote_problem": owner.problem,
+            "forkserver": forkserver._forkserver._forkserver_pid}
+
+
+def held_lock(method):
+    swift_safe_media.enable(hosts=[])
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with LOCK:
+            holding.set()
+            release.wait(60)
+
+    threading.Thread(target=hold, daemon=True).start()
+    holding.wait()
+    loader = DataLoader(TakeTheLock(), batch_size=None, num_workers=2,
+                        **_context(config.mp_context() if method == "ours" else method))
+    items = list(loader)
+    release.set()
+    return {"items": items}
+
+
+def zygote_dies(_method):
+    swift_safe_media.enable(hosts=[])
+    owner = process.current().shared_zygote
+    owner.ready.wait(120)
+    before = call(sandbox_facts)
+    os.kill(owner.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    after = call(sandbox_facts)
+    return {"zygote": owner.pid, "before": before, "after": after}
+
+
+def what_starts(expected):
+    """What ``enable()`` starts when the host says the run has DataLoader workers
+    (``workers``), has none (``none``, as ``swift infer``), or says nothing (``unknown``)."""
+    from multiprocessing import forkserver
+
+    if expected != "unknown":
+        process.current().dataloader_workers_expected = expected == "workers"
+    swift_safe_media.enable(hosts=[])
+    owner = process.current().shared_zygote
+    owner.ready.wait(120)
+    return {"forkserver": forkserver._forkserver._forkserver_pid, "zygote": owner.pid,
+            "zygote_started_by": owner.started_by.__name__, "problem": owner.problem,
+            "sandbox_parent": call(sandbox_facts)["ppid"]}
+
+
+if __name__ == "__main__":
+    case, method = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "ours")
+    cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies, "what_starts": what_starts}
+    print(json.dumps(cases[case](method)))

@@ -1,0 +1,152 @@
+"""The warm start (issue #17): DataLoader workers fork from a preloaded, single-threaded
+forkserver, and one zygote per process that enables protection serves it and all its
+workers, each with sandboxes of its own. Real workers, real zygotes, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from swift_safe_media import config, zygote
+
+from .fresh import clean_environment, run_python
+
+
+def _run(case: str, method: str = "ours", env: dict | None = None):
+    done = run_python(module="tests.programs.warm_workers", args=[case, method],
+                      env=clean_environment(env, warm_start=True), timeout=240)
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def _gone(pids, within=10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _state(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.timeout(300)
+def test_workers_fork_from_the_warm_forkserver_and_share_one_zygote():
+    found, stderr = _run("shared")
+    items, parent = found["items"], found["parent"]
+    assert [item["index"] for item in items] == list(range(6))
+    assert "swift_safe_media" not in stderr or "WARNING" not in stderr, stderr[-2000:]
+    workers = {item["worker"]["pid"] for item in items}
+    assert len(workers) == 2
+    # Forked by the forkserver (a child of the parent), not by the parent: nothing of the
+    # parent's threads or locks; one thread when the worker starts.
+    assert {item["worker"]["ppid"] for item in items} == {found["forkserver"]} != {parent["pid"]}
+    assert all(item["threads_at_start"] == 1 for item in items)
+    # One zygote: every sandbox's parent, the parent's own included; a sandbox per worker.
+    assert {item["sandbox"]["ppid"] for item in items} == {parent["sandbox"]["ppid"]} == {found["zygote"]}
+    by_worker = {}
+    for item in items:
+        by_worker.setdefault(item["worker"]["pid"], set()).add(item["sandbox"]["pid"])
+    assert all(len(sandboxes) == 1 for sandboxes in by_worker.values())
+    assert len(set.union(*by_worker.values()) | {parent["sandbox"]["pid"]}) == 3
+    # What changed after enable() reaches workers and their sandboxes.
+    assert all(item["worker"]["late"] == "set after enable" for item in items)
+    assert all(item["sandbox"]["late"] == "set after enable" for item in items)
+    assert all(item["sandbox"]["max_pixels"] == 12345 for item in items)
+    # Nothing outlives the run.
+    assert _gone([found["zygote"], *workers, *(item["sandbox"]["pid"] for item in items)])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["ours", "spawn", "fork"])
+def test_a_lock_held_in_the_parent_is_not_inherited_by_workers(method):
+    """A parent thread holds a lock while the workers start (as a decoder's futex may be):
+    forked workers inherit it held for ever; ours, like spawned ones, start clean."""
+    found, _ = _run("held_lock", method)
+    got = [item["got_lock"] for item in found["items"]]
+    assert got == ([False, False] if method == "fork" else [True, True])
+
+
+@pytest.mark.timeout(300)
+def test_a_thread_in_the_forkserver_means_spawned_workers_and_a_warning():
+    """A preloaded module that starts a thread leaves the forkserver unsafe to fork from:
+    workers are spawned instead, with one warning naming the threads."""
+    found, stderr = _run("shared", env={config.WORKER_PRELOAD: "tests.thread_starter"})
+    assert "the warm forkserver has 2 threads after its imports" in stderr
+    assert "DataLoader workers are spawned instead" in stderr
+    items = found["items"]
+    assert [item["index"] for item in items] == list(range(6))
+    assert all(item["worker"]["ppid"] == found["parent"]["pid"] for item in items)  # spawned by the parent
+    assert all(item["sandbox"]["late"] == "set after enable" for item in items)  # decoded in sandboxes
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_shared_zygote_is_replaced_by_one_of_the_callers_own():
+    found, stderr = _run("zygote_dies")
+    assert found["before"]["ppid"] == found["zygote"]
+    assert found["after"]["ppid"] != found["zygote"]
+    assert "the shared zygote is not answering" in stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("expected", ["workers", "unknown", "none"])
+def test_a_run_without_workers_gets_the_zygote_and_no_forkserver(expected):
+    """`swift infer` has no DataLoader workers: its zygote starts early all the same (by
+    exec), but no forkserver imports the data stack for nothing."""
+    found, _ = _run("what_starts", expected)
+    assert found["problem"] is None and found["sandbox_parent"] == found["zygote"]
+    if expected == "none":
+        assert found["forkserver"] is None and found["zygote_started_by"] == "_popen_zygote"
+    else:
+        assert found["forkserver"] is not None and found["zygote_started_by"] == "fork_zygote"
+
+
+@pytest.mark.timeout(120)
+def test_a_callers_sandboxes_die_with_its_connection(monkeypatch):
+    """A worker that dies (its connection closes) takes its sandboxes with it; other
+    callers of the same zygote keep theirs; the owner's exit ends everything."""
+    monkeypatch.setenv(config.PRELOAD, "numpy")
+    owner = zygote.SharedZygote(confined=True)
+    try:
+        owner.start()
+        assert owner.ready.wait(60) and owner.problem is None
+        first, second = zygote.Zygote.connect(owner.address), zygote.Zygote.connect(owner.address)
+        deadline = time.monotonic() + 30
+        one, two = first.spawn(0, deadline), second.spawn(0, deadline)
+        assert _state(one.pid) != "Z" and _state(two.pid) != "Z"
+        intruder = zygote.Zygote.connect(owner.address)
+        with pytest.raises(EOFError):  # another caller's sandbox: the zygote hangs up on it
+            intruder.reap(one.pid, deadline)
+        assert os.path.exists(f"/proc/{one.pid}") and _state(one.pid) != "Z"
+        first.close()
+        assert _gone([one.pid])
+        assert _state(two.pid) not in ("Z",) and os.path.exists(f"/proc/{two.pid}")
+        three = second.spawn(0, deadline)
+        assert second.reap(three.pid, deadline)[0] != -1  # its own: killed and collected
+        assert _gone([three.pid])
+    finally:
+        owner.close()
+    assert _gone([owner.pid, two.pid])
+    assert not os.path.exists(owner.folder)
+
+
+def test_only_the_owners_user_may_connect(tmp_path):
+    """The socket lives in a folder only its owner may enter."""
+    owner = zygote.SharedZygote(confined=True)
+    try:
+        assert os.stat(owner.folder).st_mode & 0o777 == 0o700
+        assert zygote.shared_address(True) == owner.address
+        assert zygote.shared_address(False) is None
+    finally:
+        owner.close()
+    assert zygote.shared_address(True) is None
+    with pytest.raises(OSError):
+        zygote.Zygote.connect(owner.address)
