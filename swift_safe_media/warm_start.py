@@ -49,7 +49,11 @@ def start(hosts) -> None:
     if state.shared_zygote is not None or not config.get(config.WARM_START):
         return
     # Its socket is named in the environment before the forkserver copies the environment.
-    shared = state.shared_zygote = SharedZygote(config.confine())
+    try:
+        shared = state.shared_zygote = SharedZygote(config.confine())
+    except OSError as exc:  # fail open: each process then starts its own zygote, as before
+        log.warning("swift_safe_media: no shared zygote (%s); each process starts its own", exc)
+        return
     start_zygote = None
     if (config.mp_context() == FORKSERVER and state.dataloader_workers_expected is not False
             and _main_may_be_imported_again()):
@@ -78,11 +82,15 @@ def _main_may_be_imported_again() -> bool:
 
 
 def worker_preload(hosts) -> list[str]:
-    """What the warm forkserver imports: the zygote's modules, the hosts' data stacks, the user's."""
+    """What the warm forkserver imports: the zygote's modules, the data stacks of the hosts
+    named (or, with none named, of those this process has imported: a host that is merely
+    installed is not worth importing), the user's."""
+    import sys
+
     from . import integrations
 
     names = list(config.preload_modules())
-    for host in hosts or integrations.enabled_hosts():
+    for host in hosts or [host for host in integrations.ADAPTERS if host in sys.modules]:
         names += getattr(integrations.adapter_for(host), "WORKER_PRELOAD", ())
     names += config.get(config.WORKER_PRELOAD)
     return list(dict.fromkeys(names))

@@ -175,7 +175,7 @@ class SharedZygote:
 
     def __init__(self, confined: bool):
         self.confined = confined
-        self.folder = tempfile.mkdtemp(prefix="swift-safe-media-zygote-")  # mode 0700
+        self.folder = _private_folder()  # mode 0700
         self.address = os.path.join(self.folder, "zygote.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
@@ -242,6 +242,19 @@ class SharedZygote:
             sock.close()
         if isinstance(self.process, subprocess.Popen):
             self.process.returncode = 0
+
+
+# A Unix socket's path has at most 107 bytes; a long TMPDIR (a job scheduler's, a test's)
+# leaves no room, so the folder then goes where it fits.
+_SOCKET_PATH_MAX = 107 - len("/zygote.sock")
+
+
+def _private_folder() -> str:
+    for base in (None, "/tmp", "/dev/shm"):
+        parent = tempfile.gettempdir() if base is None else base
+        if len(os.path.join(parent, "swift-safe-media-zygote-12345678")) <= _SOCKET_PATH_MAX:
+            return tempfile.mkdtemp(prefix="swift-safe-media-zygote-", dir=parent)
+    raise OSError("no temporary folder with a path short enough for a Unix socket")
 
 
 def _running(child) -> bool:
