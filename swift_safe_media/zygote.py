@@ -69,10 +69,7 @@ class SandboxHandle:
 
     def is_alive(self) -> bool:
         """An idle sandbox never writes: anything readable means it closed or died."""
-        import select
-
-        readable, _, _ = select.select([self.conn], [], [], 0)
-        return not readable
+        return _peer_open(self.conn)
 
     def kill(self) -> None:
         """Kill the sandbox's whole process group and close our end (reap with the zygote)."""
@@ -139,11 +136,7 @@ class Zygote:
     def is_alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        import select
-
-        # A zygote writes only replies: anything readable between requests is its EOF.
-        readable, _, _ = select.select([self.control], [], [], 0)
-        return not readable
+        return _peer_open(self.control)  # a zygote writes only replies: between requests, EOF
 
     def close(self, wait: float = 2.0) -> None:
         self.control.close()  # EOF tells the zygote to kill this connection's sandboxes
@@ -370,7 +363,8 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
 
 
 def _peer_open(conn) -> bool:
-    """False once the peer closed (or died): an idle caller never writes before READY."""
+    """False once the peer of an idle connection (one it never writes on unasked: a sandbox
+    between calls, a zygote between requests, a caller before READY) closed or died."""
     readable, _, _ = select.select([conn], [], [], 0)
     return not readable
 
