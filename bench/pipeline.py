@@ -117,31 +117,84 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _pss_kb(pid: int) -> int:
+def _memory_kb(pid: int) -> dict:
+    """Pss, its anonymous and file-backed parts, and what only this process holds (USS), in kB."""
+    wanted = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Private_Clean:": "uss",
+              "Private_Dirty:": "uss"}
+    found = {"pss": 0, "anon": 0, "file": 0, "uss": 0}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             for line in rollup:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
+                name, _, rest = line.partition(" ")
+                if name in wanted:
+                    found[wanted[name]] += int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return found
+
+
+def _role(pid: int, root: int, forkservers: set) -> str:
+    """What a process of the tree is: the run itself, a DataLoader worker, the forkserver,
+    the zygote, a sandbox or another helper."""
+    if pid == root:
+        return "parent"
+    try:
+        comm = open(f"/proc/{pid}/comm").read().strip()
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return "gone"
+    if comm in ("ssm-zygote", "ssm-sandbox"):
+        return comm[4:]
+    if "resource_tracker" in cmdline:
+        return "helper"
+    if "multiprocessing.forkserver" in cmdline and parent not in forkservers:
+        forkservers.add(pid)
+        return "forkserver"
+    return "worker"
 
 
 class TreeMemory(threading.Thread):
-    """Peak of the summed PSS of a process and all its descendants."""
+    """Peak of the summed PSS of a process and all its descendants, and how that peak
+    divides between the kinds of process (parent, workers, forkserver, zygote, sandboxes)."""
 
     def __init__(self, pid: int, every: float = 0.2):
         super().__init__(daemon=True)
         self.pid, self.every, self.peak_kb, self.processes = pid, every, 0, 0
+        self.at_peak: dict[str, dict] = {}
         self.done = threading.Event()
 
     def run(self):
+        forkservers: set = set()
         while not self.done.is_set():
             tree = _descendants(self.pid)
-            self.peak_kb = max(self.peak_kb, sum(_pss_kb(pid) for pid in tree))
+            roles: dict[str, dict] = {}
+            for pid in tree:
+                memory = _memory_kb(pid)
+                role = roles.setdefault(_role(pid, self.pid, forkservers),
+                                        {"count": 0, "pss": 0, "anon": 0, "file": 0, "uss": 0})
+                role["count"] += 1
+                for key, value in memory.items():
+                    role[key] += value
+            total = sum(role["pss"] for role in roles.values())
+            if total > self.peak_kb:
+                self.peak_kb, self.at_peak = total, roles
             self.processes = max(self.processes, len(tree))
             self.done.wait(self.every)
+
+
+def describe_memory(at_peak: dict) -> str:
+    """'parent 612 (anon 380, uss 420), 2 workers 480 (...)' in MB, at the peak."""
+    order = ("parent", "worker", "forkserver", "zygote", "sandbox", "helper")
+    parts = []
+    for role in sorted(at_peak, key=lambda name: order.index(name) if name in order else len(order)):
+        facts = at_peak[role]
+        count = f"{facts['count']} " if facts["count"] > 1 else ""
+        plural = ("es" if role.endswith("x") else "s") if facts["count"] > 1 else ""
+        parts.append(f"{count}{role}{plural} {facts['pss'] / 1024:.0f} "
+                     f"(anon {facts['anon'] / 1024:.0f}, file {facts['file'] / 1024:.0f}, "
+                     f"own {facts['uss'] / 1024:.0f})")
+    return ", ".join(parts)
 
 
 # -- one side, in a fresh interpreter ----------------------------------------------------
@@ -175,7 +228,8 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
     results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
     if process.returncode != 0 or not results:
         raise RuntimeError(f"{pipeline} {side} failed (exit {process.returncode}):\n{text[-4000:]}")
-    return {**results[-1], "peak_pss_mb": memory.peak_kb / 1024, "processes": memory.processes}
+    return {**results[-1], "peak_pss_mb": memory.peak_kb / 1024, "processes": memory.processes,
+            "memory_at_peak": memory.at_peak}
 
 
 def child_swift(args, inputs: dict) -> dict:
@@ -461,6 +515,7 @@ def main() -> None:
                 print(f"  [{pipeline} round {number + 1} {side}] first batch {result['first_batch_s']:.2f} s, "
                       f"{result['steady_samples_per_s']:.2f} samples/s, peak PSS {result['peak_pss_mb']:.0f} MB "
                       f"({result['processes']} processes), load {_load()}", flush=True)
+                print(f"    PSS at the peak, MB: {describe_memory(result['memory_at_peak'])}", flush=True)
         if args.rounds:
             report(pipeline, results, what)
         if args.breakdown and pipeline == "swift":

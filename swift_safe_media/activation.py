@@ -125,5 +125,15 @@ def _starts_runs() -> bool:
 
     from . import warm_start
 
-    return (multiprocessing.parent_process() is None and not sandbox.in_sandbox()
-            and not warm_start.in_forkserver())
+    return (multiprocessing.parent_process() is None and not _being_started_by_multiprocessing()
+            and not sandbox.in_sandbox() and not warm_start.in_forkserver())
+
+
+def _being_started_by_multiprocessing() -> bool:
+    """A spawned or forkserver child while it imports the parent's main module and
+    unpickles its target: ``parent_process()`` is set only after that, so a host imported
+    then (``lerobot-train``'s console script imports the whole trainer) would otherwise
+    take the child for a new run and start a forkserver and a zygote of its own."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))

@@ -35,11 +35,13 @@ class ProcessState:
     # Whether the run this process starts will have DataLoader workers (an adapter knows it
     # from the parsed arguments; None: unknown): the warm forkserver is started only for them
     dataloader_workers_expected: bool | None = None
-    shared_zygote: object = None
+    shared_zygote: object = None  # zygote.SharedZygote this process started for its workers (warm_start)
     # The environment the warm forkserver this process started was given (None: none is
     # ours): what it forks starts with that, not with this process's environment of the
     # moment (CPython's rule), so workers are brought up to date (warm_start)
-    forkserver_environment: dict | None = None  # zygote.SharedZygote this process started for its workers (warm_start)
+    forkserver_environment: dict | None = None
+    # transport.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
+    recycled_buffers: object = None
 
 
 _state = ProcessState()

@@ -24,6 +24,7 @@ import os
 import pickle
 import socket
 import struct
+import threading
 import time
 import weakref
 
@@ -320,6 +321,45 @@ class MappedBlocks:
         lend = (ctypes.c_ubyte * size).from_buffer(mapping)
         weakref.finalize(lend, self.returned.append, block_id)
         return memoryview(lend).cast("B")
+
+
+class RecycledBuffers:
+    """Memory for arrays a process makes for every sample and drops after the batch
+    (LeRobot's float frames, made from the uint8 ones a sandbox sends): anonymous
+    mappings handed out again once nothing views them. Under the fixed mmap threshold of
+    DataLoader workers (``config.WORKER_MMAP_THRESHOLD_KB``) each such block would be a
+    fresh mapping whose page faults are paid for every sample (measured: up to a tenth
+    of LeRobot's throughput); under glibc's sliding threshold it would come from the
+    heap, which keeps the freed pages."""
+
+    def __init__(self, max_idle_bytes: int = 256 << 20):
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
+        self._idle_bytes = 0
+        self._lock = threading.Lock()  # views may die in any thread
+
+    def buffer(self, size: int) -> memoryview:
+        """``size`` bytes, given back when every view of them is gone."""
+        with self._lock:
+            idle = self._idle.get(size)
+            mapping = idle.pop() if idle else None
+            if mapping is not None:
+                self._idle_bytes -= size
+        if mapping is None:
+            mapping = mmap.mmap(-1, max(size, 1))
+        lend = (ctypes.c_ubyte * size).from_buffer(mapping)
+        weakref.finalize(lend, self._give_back, size, mapping)
+        return memoryview(lend).cast("B")
+
+    def _give_back(self, size: int, mapping: mmap.mmap) -> None:
+        with self._lock:
+            if self._idle_bytes + size <= self.max_idle_bytes:
+                self._idle[size].append(mapping)
+                self._idle_bytes += size
+        # otherwise the mapping goes with its last reference
+
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
 
 
 def payload_bytes(obj, depth: int = 0) -> int:

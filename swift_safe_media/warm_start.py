@@ -21,6 +21,7 @@ with a thread after its imports is not forked from: DataLoaders asking for it ge
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import multiprocessing
@@ -202,11 +203,31 @@ def preload_in_forkserver() -> None:
     # write to (and so copy) every page holding one.
     gc.collect()
     gc.freeze()
+    _map_large_blocks(config.get(config.WORKER_MMAP_THRESHOLD_KB))
     threads = _threads()
     os.environ[PARENT_THREADS_ENV] = str(len(threads))
     if len(threads) > 1:
         log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s); "
                     "DataLoader workers will be spawned instead", len(threads), ", ".join(threads))
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _map_large_blocks(kib: int) -> None:
+    """Fix glibc's mmap threshold at ``kib`` for this process and all it forks. A worker
+    frees a sample's frames and tensors after each batch; under glibc's sliding threshold
+    they are carved from the heap, which keeps the freed pages. Mapped blocks go back to
+    the system when freed. Anything but glibc: left as it is."""
+    if not kib:
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    if not mallopt(_M_MMAP_THRESHOLD, kib * 1024):
+        log.debug("swift_safe_media: mallopt(M_MMAP_THRESHOLD, %d KiB) refused", kib)
 
 
 def _forked_from_forkserver() -> None:

@@ -84,7 +84,9 @@ def slow_video(path, width="96", height="64", hidden="500000"):
 
 def item_digests(root):
     """Every sample's camera tensors (the current frame and the one before it), hashed
-    bit for bit, read in this process as a training script would."""
+    bit for bit, read in this process as a training script would. All samples are kept
+    until the end, so memory recycled for a later sample while an earlier one still
+    holds it would show as a changed digest."""
     import hashlib
 
     import torch
@@ -93,9 +95,9 @@ def item_digests(root):
     probe = LeRobotDataset("local/safe_media_test", root=root)
     deltas = {key: [-1 / probe.fps, 0.0] for key in probe.meta.video_keys}
     dataset = LeRobotDataset("local/safe_media_test", root=root, delta_timestamps=deltas)
+    items = [dataset[index] for index in range(len(dataset))]
     digests = []
-    for index in range(len(dataset)):
-        item = dataset[index]
+    for item in items:
         for key in dataset.meta.video_keys:
             frames = item[key]
             assert frames.dtype == torch.float32 and frames.shape[0] == 2, (frames.dtype, frames.shape)

@@ -174,6 +174,12 @@ def test_protected_lerobot_train_trains_every_step_names_every_bad_file_in_spawn
     assert "swift_safe_media: DataLoader workers use the 'forkserver' start method" in output, output[-4000:]
     spawned, forked = dataloader_workers(run)
     assert len(spawned) >= 2 and not forked, (spawned, forked)
+    # The warm start held in every process: the workers' bootstrap (re-importing the
+    # console script, so the whole trainer) neither started a forkserver nor a zygote of
+    # its own; every sandbox came from the one zygote forked from the warm forkserver
+    # (a zygote started by exec has its module on its command line).
+    assert "could not start the warm forkserver" not in output, output[-4000:]
+    assert not [row[2] for row in run["seen"].values() if "swift_safe_media.zygote" in row[2]]
     assert not left_behind(run["seen"])
 
     registry = output_dir / "safe_media" / "quarantine.jsonl"

@@ -61,8 +61,21 @@ def test_workers_fork_from_the_warm_forkserver_and_share_one_zygote():
     assert all(item["worker"]["late"] == "set after enable" for item in items)
     assert all(item["sandbox"]["late"] == "set after enable" for item in items)
     assert all(item["sandbox"]["max_pixels"] == 12345 for item in items)
+    # Forked from the warm forkserver: glibc's mmap threshold is fixed
+    # (SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB), so a worker's freed frames go back to
+    # the system; the trainer keeps glibc's sliding threshold.
+    assert all(item["worker"]["maps_large_blocks"] and item["sandbox"]["maps_large_blocks"] for item in items)
+    assert not parent["maps_large_blocks"]
     # Nothing outlives the run.
     assert _gone([found["zygote"], *workers, *(item["sandbox"]["pid"] for item in items)])
+
+
+@pytest.mark.timeout(300)
+def test_a_zero_mmap_threshold_leaves_glibcs_own_in_workers():
+    found, _ = _run("shared", env={"SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB": "0"})
+    assert len(found["items"]) == 6
+    assert not any(item["worker"]["maps_large_blocks"] or item["sandbox"]["maps_large_blocks"]
+                   for item in found["items"])
 
 
 @pytest.mark.timeout(300)

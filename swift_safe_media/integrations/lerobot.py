@@ -35,7 +35,7 @@ import os
 import random
 import sys
 
-from .. import config, engine, process, quarantine, summary
+from .. import config, engine, process, quarantine, summary, transport
 from ..budget import ErrorBudgetExceeded, process_budget
 from ..errors import MediaDecodeError
 from . import env_state, flags, installed_version
@@ -134,12 +134,21 @@ def _decode_in_sandbox(requests):
 
 
 def _as_lerobot_floats(frames):
+    """The last line of LeRobot's ``decode_video_frames_torchcodec``
+    (``(frames / 255.0).type(torch.float32)``), moved to this side, into recycled memory:
+    these frames are made for every sample and dropped once the batch is collated."""
     import torch
 
-    if frames.dtype == torch.uint8:
-        # The last line of LeRobot's decode_video_frames_torchcodec, moved to this side.
+    if frames.dtype != torch.uint8:
+        return frames
+    if not frames.numel():
         return (frames / 255.0).type(torch.float32)
-    return frames
+    state = process.current()
+    if state.recycled_buffers is None:
+        state.recycled_buffers = transport.RecycledBuffers()
+    size = frames.numel() * torch.float32.itemsize
+    out = torch.frombuffer(state.recycled_buffers.buffer(size), dtype=torch.float32, count=frames.numel())
+    return torch.div(frames, 255.0, out=out.view(frames.shape))
 
 
 def import_lerobot_in_sandbox() -> None:

@@ -7,6 +7,7 @@ zygote per process that enables protection).
   parent and thread count at its start, its sandbox's pid and the sandbox's parent (the
   zygote); the parent's own sandbox; the shared zygote's pid; an environment variable
   and a setting changed after ``enable()``, as workers and their sandboxes see them;
+  whether each process maps a large block again after freeing one (glibc's threshold);
 - ``held_lock``: a parent thread holds a lock (as OpenCV's or a decoder's futex would
   be held) while the DataLoader starts its workers; each worker then takes that lock
   (5 s at most) and says whether it could;
@@ -16,6 +17,7 @@ zygote per process that enables protection).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -32,13 +34,35 @@ from tests import sandboxed
 LOCK = threading.Lock()  # module state a worker inherits by fork, and not by forkserver
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def large_block_is_mapped(size: int = (3 << 20) + 12345) -> bool:
+    """Whether glibc maps a block of ``size`` bytes again after one was freed: under its
+    sliding threshold the free raises the threshold and the second block comes from the
+    heap; under a fixed threshold below ``size`` it is mapped each time."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+    libc.free.argtypes = (ctypes.c_void_p,)
+    libc.mallinfo2.restype = _MallInfo2
+    libc.free(libc.malloc(size))
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(size)
+    mapped = libc.mallinfo2().hblks == before + 1
+    libc.free(block)
+    return mapped
+
+
 def worker_facts():
-    return {"pid": os.getpid(), "ppid": os.getppid(), "late": os.environ.get("WARM_WORKERS_LATE")}
+    return {"pid": os.getpid(), "ppid": os.getppid(), "late": os.environ.get("WARM_WORKERS_LATE"),
+            "maps_large_blocks": large_block_is_mapped()}
 
 
 def sandbox_facts():
     return {**sandboxed.process_facts(), "max_pixels": config.get(config.MAX_PIXELS),
-            "late": os.environ.get("WARM_WORKERS_LATE")}
+            "late": os.environ.get("WARM_WORKERS_LATE"), "maps_large_blocks": large_block_is_mapped()}
 
 
 class Samples(Dataset):
@@ -84,7 +108,8 @@ def shared(method):
     items = list(loader)
     from multiprocessing import forkserver
 
-    return {"items": items, "parent": {"pid": os.getpid(), "sandbox": call(sandbox_facts)},
+    return {"items": items, "parent": {"pid": os.getpid(), "sandbox": call(sandbox_facts),
+                                       "maps_large_blocks": large_block_is_mapped()},
             "zygote": owner.pid, "zygote_problem": owner.problem,
             "forkserver": forkserver._forkserver._forkserver_pid}
 
