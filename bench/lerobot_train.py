@@ -5,7 +5,9 @@ a tiny ACT on the CPU (torch on one thread), 20 steps, 2 DataLoader workers, run
 (``.venv-lerobot/``, built by ``make test``). Rounds alternate which side goes first, so
 both see the same load. Per run: wall time of the whole command, and the first batch's
 wait (LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,
-which is where spawn costs). Prints medians, their ratio, and the spread over rounds.
+which is where spawn costs), and the peak PSS of its whole process tree (trainer, workers,
+forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline.py`` does).
+Prints medians, their ratio, and the spread over rounds.
 
     python bench/lerobot_train.py [--rounds 3] [--steps 20]
 """
@@ -32,8 +34,19 @@ def build_dataset(root: Path) -> None:
                    capture_output=True)
 
 
-def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[float, float]:
-    """(wall seconds, first batch's wait in seconds) of one lerobot-train run."""
+def _tree_memory():
+    """``TreeMemory`` of ``bench/pipeline.py``: one way to measure a process tree's memory."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TreeMemory, module.describe_memory
+
+
+def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[float, float, float, str]:
+    """(wall seconds, first batch's wait in seconds, peak PSS in MB, where it was) of one
+    lerobot-train run."""
     command = [str(LEROBOT_VENV / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
                f"--dataset.root={root}", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
                "--policy.pretrained_backbone_weights=null", "--policy.dim_model=32", "--policy.n_heads=2",
@@ -47,13 +60,22 @@ def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[fl
         command.append("--safe_media=true")
     else:
         env["SWIFT_SAFE_MEDIA"] = "0"
+    tree_memory, describe_memory = _tree_memory()
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if done.returncode != 0 or f"step:{steps} " not in done.stderr + done.stdout:
-        sys.exit(f"lerobot-train failed ({'ours' if protected else 'stock'}):\n{(done.stderr + done.stdout)[-3000:]}")
-    first = re.search(r"step:1 .*?data_s:([0-9.]+)", done.stderr + done.stdout)
-    return wall, float(first.group(1))
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        memory = tree_memory(process.pid)
+        memory.start()
+        process.wait()
+        wall = time.perf_counter() - started
+        memory.done.set()
+        memory.join()
+        log.seek(0)
+        output = log.read()
+    if process.returncode != 0 or f"step:{steps} " not in output:
+        sys.exit(f"lerobot-train failed ({'ours' if protected else 'stock'}):\n{output[-3000:]}")
+    first = re.search(r"step:1 .*?data_s:([0-9.]+)", output)
+    return wall, float(first.group(1)), memory.peak_kb / 1024, describe_memory(memory.at_peak)
 
 
 def spread(values) -> str:
@@ -75,11 +97,13 @@ def main():
             for protected in ((False, True) if number % 2 == 0 else (True, False)):
                 output_dir = Path(folder) / f"out-{number}-{int(protected)}"
                 results[protected].append(train(root, output_dir, args.steps, protected))
-                wall, first = results[protected][-1]
+                wall, first, peak, where = results[protected][-1]
                 print(f"round {number + 1} {'ours ' if protected else 'stock'}: wall {wall:.1f} s, "
-                      f"first batch {first:.1f} s", flush=True)
-    stock_wall, ours_wall = ([wall for wall, _ in results[side]] for side in (False, True))
-    stock_first, ours_first = ([first for _, first in results[side]] for side in (False, True))
+                      f"first batch {first:.1f} s, peak PSS {peak:.0f} MB\n    PSS at the peak, MB: {where}",
+                      flush=True)
+    stock_wall, ours_wall = ([run[0] for run in results[side]] for side in (False, True))
+    stock_first, ours_first = ([run[1] for run in results[side]] for side in (False, True))
+    stock_peak, ours_peak = ([run[2] for run in results[side]] for side in (False, True))
     print(f"lerobot-train, {args.steps} steps, 2 workers, {args.rounds} alternating rounds (medians, spread):")
     print(f"  wall time   ours/stock {statistics.median(ours_wall) / statistics.median(stock_wall):.2f}x "
           f"({statistics.median(ours_wall):.1f} s [{spread(ours_wall)}] vs "
@@ -87,6 +111,9 @@ def main():
     print(f"  first batch ours-stock {statistics.median(ours_first) - statistics.median(stock_first):+.1f} s "
           f"({statistics.median(ours_first):.1f} s [{spread(ours_first)}] vs "
           f"{statistics.median(stock_first):.1f} s [{spread(stock_first)}])")
+    print(f"  peak PSS    ours/stock {statistics.median(ours_peak) / statistics.median(stock_peak):.2f}x "
+          f"({statistics.median(ours_peak):.0f} MB [{spread(ours_peak)}] vs "
+          f"{statistics.median(stock_peak):.0f} MB [{spread(stock_peak)}])")
 
 
 if __name__ == "__main__":
