@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,14 +33,14 @@ def build_dataset(root: Path) -> None:
                    capture_output=True)
 
 
-def _tree_memory():
-    """``TreeMemory`` of ``bench/pipeline.py``: one way to measure a process tree's memory."""
+def _bench_pipeline():
+    """``bench/pipeline.py``: one way to run a command and measure its process tree's memory."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.TreeMemory, module.describe_memory
+    return module
 
 
 def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[float, float, float, str]:
@@ -60,22 +59,12 @@ def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[fl
         command.append("--safe_media=true")
     else:
         env["SWIFT_SAFE_MEDIA"] = "0"
-    tree_memory, describe_memory = _tree_memory()
-    started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        memory = tree_memory(process.pid)
-        memory.start()
-        process.wait()
-        wall = time.perf_counter() - started
-        memory.done.set()
-        memory.join()
-        log.seek(0)
-        output = log.read()
-    if process.returncode != 0 or f"step:{steps} " not in output:
+    pipeline = _bench_pipeline()
+    returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
+    if returncode != 0 or f"step:{steps} " not in output:
         sys.exit(f"lerobot-train failed ({'ours' if protected else 'stock'}):\n{output[-3000:]}")
     first = re.search(r"step:1 .*?data_s:([0-9.]+)", output)
-    return wall, float(first.group(1)), memory.peak_kb / 1024, describe_memory(memory.at_peak)
+    return wall, float(first.group(1)), memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
 
 
 def spread(values) -> str:

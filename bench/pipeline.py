@@ -210,13 +210,26 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
         command += ["--context", context]
     if args.breakdown_dir:
         command += ["--breakdown-dir", args.breakdown_dir]
+    returncode, text, _, memory = run_measured(command, env, ROOT, timeout)
+    results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
+    if returncode != 0 or not results:
+        raise RuntimeError(f"{pipeline} {side} failed (exit {returncode}):\n{text[-4000:]}")
+    return {**results[-1], "peak_pss_mb": memory.peak_kb / 1024, "processes": memory.processes,
+            "memory_at_peak": memory.at_peak}
+
+
+def run_measured(command: list[str], env: dict, cwd, timeout: float | None = None):
+    """Run ``command`` while sampling its process tree's memory: (exit code, its output,
+    wall seconds until it exited, the ``TreeMemory``). Killed after ``timeout``."""
     with tempfile.TemporaryFile("w+") as output:
+        started = time.perf_counter()
         process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, cwd=str(ROOT))
+                                   stdin=subprocess.DEVNULL, cwd=str(cwd))
         memory = TreeMemory(process.pid)
         memory.start()
         try:
             process.wait(timeout)
+            wall = time.perf_counter() - started
         finally:
             memory.done.set()
             memory.join()
@@ -224,12 +237,7 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
                 process.kill()
                 process.wait()
         output.seek(0)
-        text = output.read()
-    results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
-    if process.returncode != 0 or not results:
-        raise RuntimeError(f"{pipeline} {side} failed (exit {process.returncode}):\n{text[-4000:]}")
-    return {**results[-1], "peak_pss_mb": memory.peak_kb / 1024, "processes": memory.processes,
-            "memory_at_peak": memory.at_peak}
+        return process.returncode, output.read(), wall, memory
 
 
 def child_swift(args, inputs: dict) -> dict:

@@ -316,11 +316,16 @@ class MappedBlocks:
                     self._mappings.popitem(last=False)  # views still alive keep it mapped
         else:
             self._mappings.move_to_end(block_id)
-        # One object per lend that every array of this message views: when it goes, the
-        # block can go back to the arena.
-        lend = (ctypes.c_ubyte * size).from_buffer(mapping)
-        weakref.finalize(lend, self.returned.append, block_id)
-        return memoryview(lend).cast("B")
+        return view_until_released(mapping, size, self.returned.append, block_id)
+
+
+def view_until_released(mapping: mmap.mmap, size: int, on_release, *args) -> memoryview:
+    """The first ``size`` bytes of ``mapping`` as one object per lend, which every array
+    made on the returned view keeps alive: when the last of them goes, ``on_release(*args)``
+    runs (in whichever thread dropped it), and the memory can be handed out again."""
+    lent = (ctypes.c_ubyte * size).from_buffer(mapping)
+    weakref.finalize(lent, on_release, *args)
+    return memoryview(lent).cast("B")
 
 
 class RecycledBuffers:
@@ -347,9 +352,7 @@ class RecycledBuffers:
                 self._idle_bytes -= size
         if mapping is None:
             mapping = mmap.mmap(-1, max(size, 1))
-        lend = (ctypes.c_ubyte * size).from_buffer(mapping)
-        weakref.finalize(lend, self._give_back, size, mapping)
-        return memoryview(lend).cast("B")
+        return view_until_released(mapping, size, self._give_back, size, mapping)
 
     def _give_back(self, size: int, mapping: mmap.mmap) -> None:
         with self._lock:
