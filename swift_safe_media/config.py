@@ -164,6 +164,15 @@ WORKER_MMAP_THRESHOLD_KB = _declare("SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB",
                                     minimum=0, maximum=32 * 1024)
 FORKSERVER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_PRELOAD", LIST, "",
                               "what the warm forkserver imports", internal=True)
+# Every forkserver or spawn child imports the main script before it runs; imported once in
+# the forkserver, it is found there (CPython's own default preload is the main script).
+FORKSERVER_IMPORTS_MAIN = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_IMPORTS_MAIN", SWITCH, True,
+                                   "the warm forkserver imports the main script once, when its top level "
+                                   "only imports and defines, so workers share it instead of each importing "
+                                   "it; `0`: each worker imports it")
+FORKSERVER_MAIN = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_MAIN", TEXT, None,
+                           "the main script the warm forkserver imports: `path:FILE` or `module:NAME`",
+                           internal=True)
 # Never silent: quarantine, watchdog, summary, error budget.
 QUARANTINE = _declare("SWIFT_SAFE_MEDIA_QUARANTINE", PATH, None,
                       "quarantine registry (JSONL); unset or empty: off")

@@ -106,6 +106,77 @@ def _is_guarded(path: str, line: int) -> bool:
     return any(first <= line <= last for first, last in guards)
 
 
+# Calls a script may make at its top level and still count as only defining things: paths,
+# the environment, loggers, warning filters, typing helpers, builtin conversions (by the
+# name called).
+_DEFINING_CALLS = frozenset({
+    "Path", "resolve", "absolute", "join", "dirname", "abspath", "realpath", "basename", "expanduser",
+    "getenv", "get", "setdefault", "insert", "append", "extend",
+    "getLogger", "setLevel", "basicConfig", "filterwarnings", "simplefilter",
+    "TypeVar", "NewType", "namedtuple", "compile",
+    "str", "int", "float", "bool", "tuple", "list", "dict", "set", "frozenset",
+})
+
+
+@functools.lru_cache(maxsize=8)
+def only_imports_and_defines(path: str) -> bool:
+    """Whether importing the script runs nothing but imports and definitions: at its top
+    level only imports, functions and classes (decorated or not), docstrings, assignments
+    and calls that only make paths, read the environment, set up logging or warnings
+    (``_DEFINING_CALLS``), ``try`` and plain ``if`` blocks of the same, and what runs under
+    ``if __name__ == "__main__":``. Every spawned or forkserver child imports such a script
+    anyway; anything else (another call, a loop, a ``with``) might be training code, and it
+    is False. False too if unreadable."""
+    try:
+        with open(path, "rb") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return _only_defines(tree.body)
+
+
+def _only_defines(statements) -> bool:
+    for node in statements:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                             ast.Pass)):
+            continue
+        if isinstance(node, ast.Expr) and (isinstance(node.value, ast.Constant) or (
+                isinstance(node.value, ast.Call) and _calls_only_defining(node.value))):
+            continue  # a docstring, sys.path.insert(...), warnings.filterwarnings(...)
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            if node.value is None or _calls_only_defining(node.value):
+                continue
+            return False
+        if isinstance(node, ast.If):
+            branch = _main_branch(node)
+            if branch is not None:  # runs as __main__ only; the other branch runs in children
+                if _only_defines(node.orelse if branch is node.body else node.body):
+                    continue
+                return False
+            if _calls_only_defining(node.test) and _only_defines(node.body) and _only_defines(node.orelse):
+                continue
+            return False
+        if isinstance(node, ast.Try):
+            if (_only_defines(node.body) and all(_only_defines(handler.body) for handler in node.handlers)
+                    and _only_defines(node.orelse) and _only_defines(node.finalbody)):
+                continue
+            return False
+        return False
+    return True
+
+
+def _calls_only_defining(expression) -> bool:
+    for node in ast.walk(expression):
+        if isinstance(node, ast.Call):
+            callee = node.func
+            name = callee.attr if isinstance(callee, ast.Attribute) else getattr(callee, "id", None)
+            if name not in _DEFINING_CALLS:
+                return False
+        elif isinstance(node, (ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)):
+            return False
+    return True
+
+
 def start_method(loader) -> str:
     context = loader.multiprocessing_context
     if context is None:

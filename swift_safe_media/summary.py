@@ -3,7 +3,8 @@
 Each process that calls the engine (the trainer, every DataLoader worker) keeps its
 own counters and writes them to ``stats-<pid>.json`` in the run's stats folder
 (``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers inherit): a failure
-at once, other counts at most once a second and at most a second late. ``collect``
+at once, other counts at most once a second and at most a second late (while it holds
+some back, a ``pending-<pid>`` file says so, and a final summary waits for it). ``collect``
 merges them: decodes, timeouts, crashes, quarantined hits, other errors, latency
 p50/p99, the slowest files (each once: its worst time and how often it was decoded),
 and the step each rank's trainer reached.
@@ -32,11 +33,15 @@ _SLOWEST = 10  # files listed in the summary
 # may have millions. A file's count is exact unless it was pushed out and came back.
 _SLOW_FILES_KEPT = 64
 FLUSH_EVERY_S = 1.0
+_PENDING = "pending-"  # pending-<pid>: that process holds counts it has not written yet
 
 
 class Recorder:
     def __init__(self, directory: str):
         self.path = os.path.join(directory, f"stats-{os.getpid()}.json")
+        # Exists while counts are held back (see record): a final summary waits for it.
+        self.pending_path = os.path.join(directory, f"{_PENDING}{os.getpid()}")
+        self._marked = False
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.latencies: list[float] = []
         self.seen = 0
@@ -63,10 +68,13 @@ class Recorder:
             # the end, a `datasets.map` pool), never reaching an exit hook.
             if outcome != "ok" or time.monotonic() - self.last_flush >= FLUSH_EVERY_S:
                 self._flush()
-            elif self._pending is None:
-                self._pending = threading.Timer(FLUSH_EVERY_S, self._flush_pending)
-                self._pending.daemon = True
-                self._pending.start()
+            else:
+                if not self._marked:
+                    self._mark_pending()
+                if self._pending is None:
+                    self._pending = threading.Timer(FLUSH_EVERY_S, self._flush_pending)
+                    self._pending.daemon = True
+                    self._pending.start()
 
     def _note_slow_file(self, path: str, outcome: str, elapsed: float) -> None:
         kept = self.slow_files.get(path)
@@ -81,6 +89,13 @@ class Recorder:
                 return
             del self.slow_files[fastest]
         self.slow_files[path] = [elapsed, outcome, 1]
+
+    def _mark_pending(self) -> None:
+        try:
+            open(self.pending_path, "w").close()
+            self._marked = True
+        except OSError:
+            pass
 
     def _flush_pending(self) -> None:
         with self._lock:
@@ -107,6 +122,9 @@ class Recorder:
             with open(partial, "w") as out:
                 json.dump(state, out)
             os.replace(partial, self.path)  # readers never see half a file
+            if self._marked:
+                self._marked = False
+                os.unlink(self.pending_path)
         except OSError:
             pass
 
@@ -235,10 +253,26 @@ def report(step=None, final: bool = False) -> dict | None:
         return None
     if final:
         _final_reported = True
-        # DataLoader workers and other ranks write their last counts within a second.
-        time.sleep(FLUSH_EVERY_S + 0.5)
+        wait_for_held_back_counts(FLUSH_EVERY_S + 0.5)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return write_summary(path, step)
+
+
+def wait_for_held_back_counts(limit: float) -> None:
+    """Until no other process of the run holds counts back (DataLoader workers, other
+    ranks): each writes them within ``FLUSH_EVERY_S``, and marks that it has some. A
+    process killed meanwhile leaves its mark: after ``limit``, nothing it held back can
+    still be on its way."""
+    directory = config.get(STATS_DIR)
+    mine = f"{_PENDING}{os.getpid()}"
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if not any(name.startswith(_PENDING) and name != mine for name in os.listdir(directory)):
+                return
+        except OSError:
+            return
+        time.sleep(0.05)
 
 
 def report_at_exit(step_reached) -> None:

@@ -5,7 +5,9 @@ rank) long before its first batch, so their imports overlap the model's loading.
   to preload :mod:`._forkserver_preload`: that imports, once, the zygote's modules and
   the data stack of the enabled hosts (torch, transformers, ms-swift or LeRobot, our
   decoders: ``WORKER_PRELOAD`` of each adapter, plus ``SWIFT_SAFE_MEDIA_WORKER_PRELOAD``)
-  with thread pools of one thread, then counts its threads. DataLoader workers started
+  with thread pools of one thread, then the trainer's main script (which every child
+  imports before it runs, as under spawn) when its top level only imports and defines,
+  then counts its threads. DataLoader workers started
   by ``forkserver`` (the default ``SWIFT_SAFE_MEDIA_MP_CONTEXT``) fork from it: a clean
   process that never ran the caller's threads, locks or decoder state, as spawn gives,
   at fork speed and sharing its pages.
@@ -26,6 +28,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import sys
 
 from . import config, process
 from .zygote import PARENT_THREADS_ENV, SharedZygote
@@ -106,13 +109,36 @@ def _start_forkserver(hosts) -> bool:
     if getattr(server, "_forkserver_pid", None) is not None:
         return False
     config.put(config.FORKSERVER_PRELOAD, ",".join(worker_preload(hosts)))
+    config.put(config.FORKSERVER_MAIN, _main_for_forkserver())
     # Ours first, so nothing imports before the thread pools are quieted: not even the main
-    # script (CPython's default preload), which each worker imports again anyway.
+    # script (CPython's default preload, which CPython imports before any other); ours
+    # imports it after the rest, when that is safe (_main_for_forkserver).
     theirs = [name for name in getattr(server, "_preload_modules", ()) if name not in (PRELOAD_MODULE, "__main__")]
     multiprocessing.get_context(FORKSERVER).set_forkserver_preload([PRELOAD_MODULE, *theirs])
     process.current().forkserver_environment = dict(os.environ)
     server.ensure_running()  # starts it by exec and returns; it imports in the background
     return True
+
+
+def _main_for_forkserver() -> str | None:
+    """How the forkserver names this process's main script, so that workers forked from it
+    find it imported (``path:FILE`` or ``module:NAME``, as CPython tells a child), or None:
+    when it is off, or the script's top level does more than import and define."""
+    from multiprocessing import spawn
+
+    from . import spawn_guard
+
+    if not config.get(config.FORKSERVER_IMPORTS_MAIN):
+        return None
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script or not spawn_guard.only_imports_and_defines(script):
+        return None
+    told = spawn.get_preparation_data("swift-safe-media-forkserver")
+    if "init_main_from_name" in told:
+        return f"module:{told['init_main_from_name']}"
+    if "init_main_from_path" in told:
+        return f"path:{told['init_main_from_path']}"
+    return None
 
 
 class _WithEnvironment:
@@ -192,6 +218,9 @@ def preload_in_forkserver() -> None:
 
         parent = os.getppid()  # the process that started it: once it is gone, so are we
         zygote.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
+        threads_before_main = len(_threads())
+        if os.getppid() == parent:
+            _import_main(config.get(config.FORKSERVER_MAIN))
     finally:
         for name, value in saved.items():  # what the workers see is the user's environment
             if value is None:
@@ -207,8 +236,33 @@ def preload_in_forkserver() -> None:
     threads = _threads()
     os.environ[PARENT_THREADS_ENV] = str(len(threads))
     if len(threads) > 1:
-        log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s); "
-                    "DataLoader workers will be spawned instead", len(threads), ", ".join(threads))
+        by_main = (f" ({len(threads) - threads_before_main} started by importing the main script; "
+                   f"{config.FORKSERVER_IMPORTS_MAIN}=0 leaves it to the workers)"
+                   if len(threads) > threads_before_main else "")
+        log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s)%s; "
+                    "DataLoader workers will be spawned instead", len(threads), ", ".join(threads), by_main)
+
+
+def _import_main(main: str | None) -> None:
+    """Import the trainer's main script as CPython's spawn does in each child (as
+    ``__mp_main__``, under ``__name__ != "__main__"``); a child forked from here then finds
+    it imported and skips it. A failure is left to the children, which meet it anyway."""
+    if not main:
+        return
+    from multiprocessing import spawn
+
+    kind, _, name = main.partition(":")
+    current = multiprocessing.current_process()
+    current._inheriting = True  # as CPython marks a child preparing: it must not start processes
+    try:
+        if kind == "module":
+            spawn._fixup_main_from_name(name)
+        else:
+            spawn.import_main_path(name)
+    except (Exception, SystemExit) as exc:
+        log.debug("swift_safe_media: the warm forkserver could not import %s: %r", name, exc)
+    finally:
+        del current._inheriting
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter

@@ -1,6 +1,9 @@
 """What happens as a DataLoader starts its workers, while protection is on: one patch of
 torch's ``DataLoader._get_iterator`` that applies, in order,
 
+0. the host's start method: an adapter may choose the start method of the DataLoaders
+   its host starts (``worker_start_method``, see :mod:`.integrations`); chosen first, so
+   the checks below judge the method the workers will really get;
 1. the main-script check (:mod:`.spawn_guard`): workers that would re-run an unguarded
    script fork instead of hanging;
 2. the warm forkserver's verdict (:mod:`.warm_start`): workers that would fork from a
@@ -16,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from . import config, spawn_guard, warm_start
+from . import config, integrations, spawn_guard, warm_start
 from .integrations import _imports
 
 log = logging.getLogger("swift_safe_media")
@@ -59,6 +62,7 @@ def _patch_dataloader(module) -> None:
         method = None
         try:
             if config.enabled_by_environment() and self.num_workers > 0:
+                integrations.choose_worker_start_method(self)
                 spawn_guard.fork_if_main_would_rerun(self)
                 spawn_if_forkserver_unsafe(self)
                 method = spawn_guard.start_method(self)

@@ -68,3 +68,119 @@ def test_guarded_script_keeps_spawn(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "re-imported main: [1, 1, 1, 1]" in done.stdout  # spawned workers
     assert "outside `if __name__" not in done.stderr
+
+
+LEROBOT_SCRIPT = """
+    import sys
+    import swift_safe_media
+    swift_safe_media.enable(hosts=["lerobot"])
+    from lerobot.datasets.utils import cycle
+    from torch.utils.data import DataLoader, Dataset
+
+    class Rows(Dataset):
+        def __len__(self):
+            return 4
+        def __getitem__(self, index):
+            return int(sys.modules["__main__"].__name__ == "__mp_main__")
+
+    # No start method named: protection gives the loader LeRobot's cycle draws from its own.
+    batches = cycle(DataLoader(Rows(), batch_size=4, num_workers=2))
+    print("re-imported main:", sorted(int(row) for row in next(batches)), flush=True)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_unguarded_lerobot_script_drawing_through_cycle_forks_instead_of_crashing(tmp_path):
+    """The start method LeRobot's adapter gives a loader drawn by ``cycle`` is chosen before
+    the main-script check, so the check judges the method the workers really get (it was
+    chosen after it once: forkserver workers re-ran the script and died)."""
+    pytest.importorskip("lerobot")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LEROBOT_SCRIPT))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=150, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "re-imported main: [0, 0, 0, 0]" in done.stdout  # forked workers
+    line = script.read_text().splitlines().index(next(
+        text for text in script.read_text().splitlines() if text.startswith("print("))) + 1
+    assert f"{script} starts DataLoader workers at line {line} outside" in done.stderr, done.stderr[-3000:]
+    assert "forkserver workers would run the script again" in done.stderr
+
+
+ONLY_DEFINES = {
+    "console script": """
+        import re
+        import sys
+        from json.tool import main
+        if __name__ == '__main__':
+            sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])
+            sys.exit(main())
+    """,
+    "definitions": '''
+        """Docstring."""
+        from __future__ import annotations
+        import logging
+        from typing import TYPE_CHECKING
+        try:
+            import tomllib
+        except ImportError:
+            tomllib = None
+        if TYPE_CHECKING:
+            import torch
+        log = logging.getLogger(__name__)
+        STEPS: int = 10
+        NAMES = ("a", "b")
+
+        @staticmethod
+        def helper(x=1):
+            return x
+
+        class Config:
+            lr = 1e-3
+
+        if __name__ == "__main__":
+            helper()
+    ''',
+}
+ONLY_DEFINES["paths, environment and logging"] = """
+        import logging, os, sys, warnings
+        from pathlib import Path
+        ROOT = Path(__file__).resolve().parent
+        sys.path.insert(0, str(ROOT))
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        CACHE = os.path.join(os.getenv("HOME", "/tmp"), "cache")
+        warnings.filterwarnings("ignore")
+        logging.basicConfig(level=logging.INFO)
+        log = logging.getLogger(__name__)
+        log.setLevel(logging.DEBUG)
+"""
+DOES_MORE = {
+    "a call": "import torch\ntorch.cuda.is_available()\n",
+    "a path made by a call that does more": "from pathlib import Path\nROOT = Path(download())\n",
+    "training at the top": "def train():\n    pass\ntrain()\n",
+    "an assignment that calls": "import json\nrows = json.loads('[1]')\n",
+    "a test that calls": "import os\nif os.cpu_count():\n    import json\n",
+    "code outside the guard's main branch": "def train():\n    pass\nif __name__ != '__main__':\n    train()\n",
+    "a loop": "for step in range(3):\n    pass\n",
+    "a with block": "with open(__file__):\n    pass\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONLY_DEFINES))
+def test_a_script_that_only_imports_and_defines_is_recognised(tmp_path, name):
+    from swift_safe_media import spawn_guard
+
+    script = tmp_path / f"{name.replace(' ', '_')}.py"
+    script.write_text(textwrap.dedent(ONLY_DEFINES[name]))
+    assert spawn_guard.only_imports_and_defines(str(script))
+
+
+@pytest.mark.parametrize("name", sorted(DOES_MORE))
+def test_a_script_that_does_more_than_define_is_not(tmp_path, name):
+    from swift_safe_media import spawn_guard
+
+    script = tmp_path / f"{name.replace(' ', '_')}.py"
+    script.write_text(DOES_MORE[name])
+    assert not spawn_guard.only_imports_and_defines(str(script))
+    assert not spawn_guard.only_imports_and_defines(str(tmp_path / "missing.py"))

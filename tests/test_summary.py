@@ -1,6 +1,9 @@
 """Run summary merged across real DataLoader worker processes."""
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -56,11 +59,46 @@ def test_counts_reach_the_file_without_an_exit_hook_and_ranks_report_their_step(
     found.record("c.mp4", "error", 0.01)
     assert written()["counts"]["error"] == 1 and written()["counts"]["ok"] == 2
     found.record("d.mp4", "ok", 0.01)
+    assert os.path.exists(found.pending_path)  # held back, and marked so
     time.sleep(summary.FLUSH_EVERY_S + 0.5)
     assert written()["counts"]["ok"] == 3
+    assert not os.path.exists(found.pending_path)
     summary.note_step(4)
     assert (written()["rank"], written()["step"]) == (1, 4)
     assert summary.collect(str(tmp_path))["steps_by_rank"] == {"1": 4}
+
+
+HOLDS_BACK = """
+import sys, time
+from swift_safe_media import summary
+found = summary.recorder()
+found.record("a.mp4", "ok", 0.01)  # written at once (the first)
+found.record("b.mp4", "ok", 0.01)  # held back for up to a second
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_final_summary_waits_for_counts_another_process_holds_back(tmp_path, monkeypatch):
+    """A final summary ends once no other process holds counts back; a mark left by a
+    process killed while holding some does not make it wait past its limit."""
+    stats = tmp_path / "stats"
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_STATS_DIR", str(stats))
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_QUARANTINE", str(tmp_path / "quarantine.jsonl"))
+    stats.mkdir()
+    (stats / "pending-2147483646").write_text("")  # a killed process's mark
+    child = subprocess.Popen([sys.executable, "-c", HOLDS_BACK], env=dict(os.environ), stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        assert (stats / f"pending-{child.pid}").exists()
+        written = summary.report(final=True)
+        assert written["ok"] == 2 and written["processes"] == 1
+        assert not (stats / f"pending-{child.pid}").exists()
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_slow_list_names_each_file_once_with_its_worst_time_and_count(tmp_path, monkeypatch):

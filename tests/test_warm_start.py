@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -68,6 +70,21 @@ def test_workers_fork_from_the_warm_forkserver_and_share_one_zygote():
     assert not parent["maps_large_blocks"]
     # Nothing outlives the run.
     assert _gone([found["zygote"], *workers, *(item["sandbox"]["pid"] for item in items)])
+
+
+@pytest.mark.timeout(300)
+def test_workers_of_a_loader_drawn_by_lerobots_cycle_get_every_check_of_a_warm_start():
+    """LeRobot's adapter chooses the start method before the worker-start checks run, so
+    its workers are forked from the warm forkserver and adopt what changed after enable()
+    (they once kept the forkserver's copy of the environment)."""
+    pytest.importorskip("lerobot")
+    found, stderr = _run("lerobot_cycle")
+    assert found["start_method"] == "forkserver", stderr[-2000:]
+    items = found["items"]
+    assert {item["worker"]["ppid"] for item in items} == {found["forkserver"]}
+    assert all(item["threads_at_start"] == 1 for item in items)
+    assert all(item["worker"]["late"] == "set after enable" for item in items)
+    assert all(item["sandbox"]["late"] == "set after enable" for item in items)
 
 
 @pytest.mark.timeout(300)
@@ -163,3 +180,71 @@ def test_only_the_owners_user_may_connect(tmp_path):
     assert zygote.shared_address(True) is None
     with pytest.raises(OSError):
         zygote.Zygote.connect(owner.address)
+
+
+MAIN_SCRIPT = '''
+"""A training script whose top level {what}."""
+import json
+import os
+import sys
+
+import imported_by_main  # notes each process that imports it
+from torch.utils.data import DataLoader, Dataset
+
+import swift_safe_media
+{extra}
+
+class Rows(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return os.getpid()
+
+
+def main():
+    swift_safe_media.enable(hosts=[])
+    from multiprocessing import forkserver
+
+    loader = DataLoader(Rows(), batch_size=None, num_workers=2, multiprocessing_context="forkserver")
+    workers = sorted(set(int(pid) for pid in loader))
+    print(json.dumps({{"trainer": os.getpid(), "workers": workers,
+                      "forkserver": forkserver._forkserver._forkserver_pid,
+                      "zygote": swift_safe_media.process.current().shared_zygote.pid}}))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["script", "module"])
+@pytest.mark.parametrize("top_level", ["defines", "calls"])
+def test_the_forkserver_imports_a_main_script_that_only_defines_once_for_all_workers(tmp_path, how, top_level):
+    """Every forkserver child (workers, the shared zygote) imports the trainer's main script
+    before it runs. When its top level only imports and defines, the warm forkserver imports
+    it once and its children find it there; a script that calls something at its top level
+    is left to each child."""
+    extra = "sys.stderr.write('top level ran\\n')" if top_level == "calls" else ""
+    package = tmp_path / "trainer"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(MAIN_SCRIPT.format(what=top_level, extra=extra))
+    marker = tmp_path / "imported_by.txt"
+    (tmp_path / "imported_by_main.py").write_text(
+        "import os\nwith open(os.environ['IMPORTED_BY'], 'a') as notes:\n    notes.write(f'{os.getpid()}\\n')\n")
+    program = ["-m", "trainer.train"] if how == "module" else [str(package / "train.py")]
+    env = clean_environment({"IMPORTED_BY": str(marker), "PYTHONPATH": str(tmp_path)}, warm_start=True)
+    done = subprocess.run([sys.executable, *program], env=env, cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    importers = [int(line) for line in marker.read_text().split()]
+    assert len(found["workers"]) == 2
+    if top_level == "defines":
+        assert sorted(importers) == sorted([found["trainer"], found["forkserver"]]), done.stderr[-2000:]
+    else:
+        assert sorted(importers) == sorted([found["trainer"], found["zygote"], *found["workers"]]), \
+            done.stderr[-2000:]
+    assert "WARNING" not in done.stderr, done.stderr[-2000:]

@@ -13,6 +13,9 @@ Each adapter module (one per host, dd-trace style) provides:
   while the package is off, so a command line that has them never breaks;
 - optionally ``WORKER_PRELOAD``: modules DataLoader workers need to unpickle the host's
   dataset, imported once by the warm forkserver (:mod:`..warm_start`);
+- optionally ``worker_start_method(loader)``: the start method the host's DataLoader
+  ``loader`` should start its workers with, or None to leave it; asked as the loader
+  starts its workers, before the checks of :mod:`..worker_start`;
 - optionally ``command_line_asks_for_protection()``: True when this process's command
   line turns protection on, so the decoders are checked as the host starts importing.
 
@@ -145,6 +148,16 @@ def disable_hosts() -> None:
         for module_name in adapter.TRIGGER_MODULES:
             _imports.clear(module_name)
         adapter.unpatch()
+
+
+def choose_worker_start_method(loader) -> None:
+    """Give ``loader`` the start method an enabled host's adapter chooses for it, if any."""
+    for host in sorted(_enabled_hosts):
+        choose = getattr(adapter_for(host), "worker_start_method", None)
+        method = choose(loader) if choose is not None else None
+        if method:
+            loader.multiprocessing_context = method
+            return
 
 
 def enabled_hosts() -> set[str]:

@@ -12,12 +12,13 @@
   and one warning names the episode, camera key, file and reason. Batch counts stay equal
   across ranks; :mod:`swift_safe_media.budget` stops the run when too much fails.
 - ``cycle`` (how ``lerobot-train`` iterates its DataLoader): workers use
-  ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (default spawn) unless the DataLoader names a start
+  ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (default forkserver) unless the DataLoader names a start
   method or ``TrainPipelineConfig`` has ``dataloader_multiprocessing_context``. The start
-  method is set where torch starts the workers (``_MultiProcessingDataLoaderIter``), on
-  the torch DataLoader that really runs them: ``lerobot-train`` hands ``cycle`` the
-  wrapper of ``accelerator.prepare``, which keeps attribute writes to itself. The run
-  summary is logged every ``--log_freq`` batches and at exit.
+  method is chosen as the workers start (:func:`worker_start_method`, asked by
+  :mod:`swift_safe_media.worker_start` before its checks), on the torch DataLoader that
+  really runs them: ``lerobot-train`` hands ``cycle`` the wrapper of
+  ``accelerator.prepare``, which keeps attribute writes to itself. The run summary is
+  logged every ``--log_freq`` batches and at exit.
 - ``--safe_media=true`` (and ``--safe_media_timeout``, ``_mp_context``, ``_max_memory_mb``,
   ``_quarantine``, ``_stall_timeout``, ``_stall_action``) on any LeRobot command line:
   taken out of ``sys.argv`` before draccus parses it and written to the
@@ -54,7 +55,6 @@ VIDEO_UTILS = "lerobot.datasets.video_utils"
 DATASET = "lerobot.datasets.lerobot_dataset"
 DATASET_UTILS = "lerobot.datasets.utils"
 TRAIN_CONFIG = "lerobot.configs.train"
-TORCH_DATALOADER = "torch.utils.data.dataloader"
 
 FLAG_MODULES = ("lerobot.configs.parser",)
 
@@ -64,17 +64,14 @@ TARGETS = (
     Target(DATASET_UTILS, "cycle", "cycle_with_start_method"),
     Target(DATASET, "LeRobotDataset.__getitem__", "getitem_or_substitute"),
     Target(DATASET, "LeRobotDataset._query_videos", "query_videos_in_one_call"),
-    # Where torch starts DataLoader workers, under any wrapper of the loader.
-    Target(TORCH_DATALOADER, "_MultiProcessingDataLoaderIter.__init__", "start_workers_with_start_method"),
 )
 
 # An exception raised by a patched decode carries the video's path under this name.
 VIDEO_ATTRIBUTE = engine.FAILED_PATH
 
 PATCHES = Patches(("lerobot",), TARGETS, globals())
-# LeRobot's own modules only: torch's DataLoader is imported by every host, and patching
-# LeRobot (which registers its import in every sandbox) must not follow an ms-swift run.
-# LeRobot's modules import torch's DataLoader first, so its target is loaded by then.
+# LeRobot's own modules only: patching LeRobot (which registers its import in every
+# sandbox) must not follow an ms-swift run.
 TRIGGER_MODULES = tuple(name for name in PATCHES.modules if name.startswith("lerobot."))
 is_patched = PATCHES.is_patched
 
@@ -322,24 +319,26 @@ _drawing_training_batch = contextvars.ContextVar("swift_safe_media_drawing_train
 def cycle_with_start_method(iterable):
     """LeRobot's ``cycle`` (how ``lerobot-train`` draws its batches): DataLoader workers
     started while it draws get the configured start method
-    (:func:`start_workers_with_start_method`); the run summary goes to the log every
+    (:func:`worker_start_method`); the run summary goes to the log every
     ``SWIFT_SAFE_MEDIA_SUMMARY_STEPS`` batches (``--log_freq``) and at exit."""
     # Whatever ``iterable`` is (a DataLoader, accelerate's wrapper of one, anything that
     # forwards to one): only lerobot-train's training loop calls cycle in LeRobot 0.4.
     return _reporting(_stock(DATASET_UTILS, "cycle")(iterable))
 
 
-def start_workers_with_start_method(stock_init, workers_iterator, loader, *args, **kwargs):
-    """``_MultiProcessingDataLoaderIter.__init__``: before torch starts the workers of a
-    DataLoader drawn by ``cycle``, give it the configured start method, unless it names
-    one or LeRobot's ``TrainPipelineConfig`` lets the user choose."""
-    if (_drawing_training_batch.get() and loader.multiprocessing_context is None
-            and not train_config_has_start_method()):
-        method = config.mp_context()
-        if method != "default":
-            loader.multiprocessing_context = method  # the torch DataLoader itself, not a wrapper
-            log.warning("swift_safe_media: DataLoader workers use the %r start method", method)
-    return stock_init(workers_iterator, loader, *args, **kwargs)
+def worker_start_method(loader) -> str | None:
+    """The start method for ``loader``, asked as it starts its workers
+    (:mod:`..worker_start`): the configured one when ``cycle`` is drawing from it, unless
+    it names one or LeRobot's ``TrainPipelineConfig`` lets the user choose. ``loader`` is
+    the torch DataLoader that really starts them, whatever wraps it."""
+    if (not _drawing_training_batch.get() or loader.multiprocessing_context is not None
+            or train_config_has_start_method()):
+        return None
+    method = config.mp_context()
+    if method == "default":
+        return None
+    log.warning("swift_safe_media: DataLoader workers use the %r start method", method)
+    return method
 
 
 def _reporting(batches):

@@ -11,6 +11,9 @@ zygote per process that enables protection).
 - ``held_lock``: a parent thread holds a lock (as OpenCV's or a decoder's futex would
   be held) while the DataLoader starts its workers; each worker then takes that lock
   (5 s at most) and says whether it could;
+- ``lerobot_cycle``: LeRobot's ``cycle`` draws from a DataLoader that names no start
+  method, with a variable set after ``enable()``: the method the adapter chooses, the
+  workers' parent, and the variable as the workers see it;
 - ``zygote_dies``: the shared zygote is killed between two calls of the parent;
 - ``what_starts``: what ``enable()`` starts, given what the host knows of the run.
 """
@@ -132,6 +135,19 @@ def held_lock(method):
     return {"items": items}
 
 
+def lerobot_cycle(_method):
+    swift_safe_media.enable(hosts=["lerobot"])
+    os.environ["WARM_WORKERS_LATE"] = "set after enable"
+    from lerobot.datasets.utils import cycle
+    from multiprocessing import forkserver
+
+    loader = DataLoader(WithStartThreads(), batch_size=None, num_workers=2, worker_init_fn=note_start)
+    batches = cycle(loader)
+    items = [next(batches) for _ in range(6)]
+    return {"items": items, "start_method": loader.multiprocessing_context.get_start_method(),
+            "forkserver": forkserver._forkserver._forkserver_pid}
+
+
 def zygote_dies(_method):
     swift_safe_media.enable(hosts=[])
     owner = process.current().shared_zygote
@@ -160,5 +176,6 @@ def what_starts(expected):
 
 if __name__ == "__main__":
     case, method = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "ours")
-    cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies, "what_starts": what_starts}
+    cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies,
+             "lerobot_cycle": lerobot_cycle, "what_starts": what_starts}
     print(json.dumps(cases[case](method)))
