@@ -170,6 +170,11 @@ FORKSERVER_IMPORTS_MAIN = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_IMPORTS_MAIN", S
                                    "the warm forkserver imports the main script once, when its top level "
                                    "only imports and defines, so workers share it instead of each importing "
                                    "it; `0`: each worker imports it")
+# Idle workers of a killed trainer notice only their own parent's death (torch checks
+# getppid()); theirs is the forkserver, which must go with the trainer for them to go too.
+FORKSERVER_PARENT = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_PARENT", INT, 0,
+                             "the trainer whose main thread started the warm forkserver: the forkserver "
+                             "gets SIGKILL when it exits; 0: none", minimum=0, internal=True)
 FORKSERVER_MAIN = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_MAIN", TEXT, None,
                            "the main script the warm forkserver imports: `path:FILE` or `module:NAME`",
                            internal=True)

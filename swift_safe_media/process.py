@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 
@@ -66,11 +67,21 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # What a zygote and a sandbox call themselves in /proc/<pid>/comm (ps, top, the watchdog's
 # report): forked from the warm forkserver, they have its command line.
 ZYGOTE_NAME, SANDBOX_NAME = "ssm-zygote", "ssm-sandbox"
+_PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
 def set_name(name: str) -> None:
     try:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the thread that forked it exits (``PR_SET_PDEATHSIG``);
+    the caller then checks that its parent did not die before this was armed."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass

@@ -12,7 +12,6 @@ runs in place.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -27,7 +26,6 @@ from . import config, confine, errors, process, transport
 
 log = logging.getLogger("swift_safe_media")
 
-_PR_SET_PDEATHSIG = 1
 
 _in_sandbox = False
 _caller_main: dict | None = None  # how to load the caller's __main__, if a request needs it
@@ -51,7 +49,7 @@ def remember_caller_main(main: dict | None) -> None:
 def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None) -> None:
     os.setsid()
     process.set_name(process.SANDBOX_NAME)
-    _die_with_parent()
+    process.die_with_parent()
     if os.getppid() != parent:  # the zygote died before the death signal was armed
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -71,13 +69,6 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy
             sys.stderr.write(f"swift_safe_media: sandbox pid {os.getpid()} could not be confined: {exc}\n")
             os._exit(71)
     serve(conn, memory_cap_mb)
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _current_address_space() -> int:

@@ -10,7 +10,9 @@ rank) long before its first batch, so their imports overlap the model's loading.
   then counts its threads. DataLoader workers started
   by ``forkserver`` (the default ``SWIFT_SAFE_MEDIA_MP_CONTEXT``) fork from it: a clean
   process that never ran the caller's threads, locks or decoder state, as spawn gives,
-  at fork speed and sharing its pages.
+  at fork speed and sharing its pages. It dies with the trainer (``PR_SET_PDEATHSIG``, when the
+  trainer's main thread started it): torch's workers watch only their own parent, and
+  CPython's forkserver would outlive a killed trainer as long as any child of it lives.
 - **The shared zygote** (:class:`.zygote.SharedZygote`): one per rank, used by the rank
   and all its DataLoader workers. It is forked from the same forkserver (so it shares
   those pages too), or started by exec where the forkserver is not ours to use.
@@ -29,6 +31,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 
 from . import config, process
 from .zygote import PARENT_THREADS_ENV, SharedZygote
@@ -110,6 +113,9 @@ def _start_forkserver(hosts) -> bool:
         return False
     config.put(config.FORKSERVER_PRELOAD, ",".join(worker_preload(hosts)))
     config.put(config.FORKSERVER_MAIN, _main_for_forkserver())
+    # The parent-death signal follows the thread that forks: only the main thread lasts as
+    # long as the process.
+    config.put(config.FORKSERVER_PARENT, os.getpid() if threading.current_thread() is threading.main_thread() else 0)
     # Ours first, so nothing imports before the thread pools are quieted: not even the main
     # script (CPython's default preload, which CPython imports before any other); ours
     # imports it after the rest, when that is safe (_main_for_forkserver).
@@ -207,6 +213,11 @@ def preload_in_forkserver() -> None:
     """Run by :mod:`._forkserver_preload` in the forkserver, before it forks anything."""
     global _in_forkserver
     _in_forkserver = True
+    parent = os.getppid()  # the process that started it: once it is gone, so are we
+    if config.get(config.FORKSERVER_PARENT):
+        process.die_with_parent()
+        if os.getppid() != config.get(config.FORKSERVER_PARENT):  # it died before the signal was armed
+            os._exit(0)
     os.register_at_fork(after_in_child=_forked_from_forkserver)
     quiet = {name: "1" for name in config.THREAD_ENV_VARS}  # no thread pool may start at import
     # pyarrow (under datasets and LeRobot) starts jemalloc's purging thread as it loads.
@@ -216,7 +227,6 @@ def preload_in_forkserver() -> None:
     try:
         from . import zygote
 
-        parent = os.getppid()  # the process that started it: once it is gone, so are we
         zygote.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
         threads_before_main = len(_threads())
         if os.getppid() == parent:

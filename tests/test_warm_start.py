@@ -88,6 +88,21 @@ def test_workers_of_a_loader_drawn_by_lerobots_cycle_get_every_check_of_a_warm_s
 
 
 @pytest.mark.timeout(300)
+def test_nothing_outlives_a_sigkilled_trainer_whose_workers_are_idle():
+    """Torch's workers watch only their own parent; forked from the forkserver, that is
+    the forkserver, which CPython keeps alive as long as any child holds its end of the
+    pipe. The warm forkserver dies with the trainer, and so everything else does."""
+    done = run_python(module="tests.programs.warm_workers", args=["trainer_killed"],
+                      env=clean_environment(warm_start=True), timeout=240, check=False)
+    assert done.returncode == -9, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(found["workers"]) == 2 and found["sandboxes"]
+    # torch's workers look at their parent every 5 s (MP_STATUS_CHECK_INTERVAL).
+    assert _gone([found["forkserver"], found["zygote"], *found["workers"], *found["sandboxes"]], within=30), \
+        [pid for pid in [found["forkserver"], found["zygote"], *found["workers"]] if _state(pid) != "Z"]
+
+
+@pytest.mark.timeout(300)
 def test_a_zero_mmap_threshold_leaves_glibcs_own_in_workers():
     found, _ = _run("shared", env={"SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB": "0"})
     assert len(found["items"]) == 6
@@ -248,3 +263,28 @@ def test_the_forkserver_imports_a_main_script_that_only_defines_once_for_all_wor
         assert sorted(importers) == sorted([found["trainer"], found["zygote"], *found["workers"]]), \
             done.stderr[-2000:]
     assert "WARNING" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_main_script_whose_imports_start_a_thread_gets_spawned_workers_and_a_warning_naming_it(tmp_path):
+    """Importing the main script in the forkserver is checked like its other imports: a
+    thread started by it means spawned workers and one warning that says where the thread
+    came from and how to leave the script to the workers."""
+    script = tmp_path / "train.py"
+    script.write_text(MAIN_SCRIPT.format(what="imports a module that starts a thread", extra="import starts_a_thread"))
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    (tmp_path / "imported_by_main.py").write_text(
+        "import os\nwith open(os.environ['IMPORTED_BY'], 'a') as notes:\n    notes.write(f'{os.getpid()}\\n')\n")
+    env = clean_environment({"IMPORTED_BY": str(tmp_path / "imported_by.txt"), "PYTHONPATH": str(tmp_path)},
+                            warm_start=True)
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "the warm forkserver has 2 threads after its imports" in done.stderr
+    assert f"(1 started by importing the main script; {config.FORKSERVER_IMPORTS_MAIN}=0 leaves it" in done.stderr
+    assert "DataLoader workers are spawned instead" in done.stderr
+    importers = [int(line) for line in (tmp_path / "imported_by.txt").read_text().split()]
+    # Spawned workers import the script themselves, as spawn does.
+    assert sorted(importers) == sorted([found["trainer"], found["forkserver"], *found["workers"]])

@@ -14,6 +14,8 @@ zygote per process that enables protection).
 - ``lerobot_cycle``: LeRobot's ``cycle`` draws from a DataLoader that names no start
   method, with a variable set after ``enable()``: the method the adapter chooses, the
   workers' parent, and the variable as the workers see it;
+- ``trainer_killed``: the parent draws a few samples, so that its workers go idle, prints
+  the pids of its forkserver, workers, zygote and their sandboxes, then SIGKILLs itself;
 - ``zygote_dies``: the shared zygote is killed between two calls of the parent;
 - ``what_starts``: what ``enable()`` starts, given what the host knows of the run.
 """
@@ -148,6 +150,29 @@ def lerobot_cycle(_method):
             "forkserver": forkserver._forkserver._forkserver_pid}
 
 
+class Pids(Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, index):
+        return {"worker": os.getpid(), "sandbox": call(sandbox_facts)["pid"]}
+
+
+def trainer_killed(_method):
+    from multiprocessing import forkserver
+
+    swift_safe_media.enable(hosts=[])
+    owner = process.current().shared_zygote
+    owner.ready.wait(120)
+    batches = iter(DataLoader(Pids(), batch_size=None, num_workers=2, multiprocessing_context=config.mp_context()))
+    items = [next(batches) for _ in range(6)]
+    time.sleep(1)  # the workers have prefetched what they may, and wait
+    print(json.dumps({"forkserver": forkserver._forkserver._forkserver_pid, "zygote": owner.pid,
+                      "workers": sorted({item["worker"] for item in items}),
+                      "sandboxes": sorted({item["sandbox"] for item in items})}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def zygote_dies(_method):
     swift_safe_media.enable(hosts=[])
     owner = process.current().shared_zygote
@@ -177,5 +202,5 @@ def what_starts(expected):
 if __name__ == "__main__":
     case, method = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "ours")
     cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies,
-             "lerobot_cycle": lerobot_cycle, "what_starts": what_starts}
+             "lerobot_cycle": lerobot_cycle, "trainer_killed": trainer_killed, "what_starts": what_starts}
     print(json.dumps(cases[case](method)))
