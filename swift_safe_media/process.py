@@ -78,10 +78,12 @@ def set_name(name: str) -> None:
         pass
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when the thread that forked it exits (``PR_SET_PDEATHSIG``);
-    the caller then checks that its parent did not die before this was armed."""
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the thread of ``parent`` that forked it exits
+    (``PR_SET_PDEATHSIG``); exit now if ``parent`` died before the signal was armed."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    if os.getppid() != parent:
+        os._exit(0)

@@ -49,9 +49,7 @@ def remember_caller_main(main: dict | None) -> None:
 def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None) -> None:
     os.setsid()
     process.set_name(process.SANDBOX_NAME)
-    process.die_with_parent()
-    if os.getppid() != parent:  # the zygote died before the death signal was armed
-        os._exit(0)
+    process.die_with_parent(parent)  # the zygote
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _cap_memory(memory_cap_mb)

@@ -47,13 +47,21 @@ def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, i
 
 
 @functools.lru_cache(maxsize=8)
+def _script_tree(path: str) -> ast.Module | None:
+    """The script's syntax tree, read once for every question asked of it; None if unreadable."""
+    try:
+        with open(path, "rb") as source:
+            return ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
 def _import_lines(path: str) -> frozenset[int]:
     """Lines of the script's top-level import statements (a hook such as ours may run
     inside one: the start-up hook enables protection as the host is imported)."""
-    try:
-        with open(path, "rb") as source:
-            tree = ast.parse(source.read(), path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _script_tree(path)
+    if tree is None:
         return frozenset()
     return frozenset(line for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
                      for line in range(node.lineno, node.end_lineno + 1))
@@ -62,10 +70,8 @@ def _import_lines(path: str) -> frozenset[int]:
 @functools.lru_cache(maxsize=8)
 def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
     """Line ranges of the script that run only as ``__main__``; None if unreadable."""
-    try:
-        with open(path, "rb") as source:
-            tree = ast.parse(source.read(), path)
-    except (OSError, SyntaxError, ValueError):
+    tree = _script_tree(path)
+    if tree is None:
         return None
     ranges = []
     for node in ast.walk(tree):
@@ -127,12 +133,8 @@ def only_imports_and_defines(path: str) -> bool:
     ``if __name__ == "__main__":``. Every spawned or forkserver child imports such a script
     anyway; anything else (another call, a loop, a ``with``) might be training code, and it
     is False. False too if unreadable."""
-    try:
-        with open(path, "rb") as source:
-            tree = ast.parse(source.read(), path)
-    except (OSError, SyntaxError, ValueError):
-        return False
-    return _only_defines(tree.body)
+    tree = _script_tree(path)
+    return tree is not None and _only_defines(tree.body)
 
 
 def _only_defines(statements) -> bool:

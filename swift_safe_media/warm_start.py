@@ -214,10 +214,9 @@ def preload_in_forkserver() -> None:
     global _in_forkserver
     _in_forkserver = True
     parent = os.getppid()  # the process that started it: once it is gone, so are we
-    if config.get(config.FORKSERVER_PARENT):
-        process.die_with_parent()
-        if os.getppid() != config.get(config.FORKSERVER_PARENT):  # it died before the signal was armed
-            os._exit(0)
+    trainer = config.get(config.FORKSERVER_PARENT)
+    if trainer:
+        process.die_with_parent(trainer)
     os.register_at_fork(after_in_child=_forked_from_forkserver)
     quiet = {name: "1" for name in config.THREAD_ENV_VARS}  # no thread pool may start at import
     # pyarrow (under datasets and LeRobot) starts jemalloc's purging thread as it loads.
