@@ -22,22 +22,31 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
            stall_action: str | None = None, quarantine: str | None = None, hosts=None) -> None:
     """Protect media decoding in this process and in every child it starts.
 
-    Raises ProtectionUnavailable, before anything is patched or started, when the
-    decoders of ``hosts`` cannot load here (checked once per run: see ``preflight``).
+    Raises ProtectionUnavailable, before anything is patched, when the decoders of
+    ``hosts`` cannot load here (checked once per run: see ``preflight``); what it had
+    started by then is stopped, and the environment children inherit is as it was.
     Calling it again (with a registry known only later, say) updates the settings."""
     from . import preflight, warm_start, watchdog, worker_start
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
     config.validate()  # every setting: a bad value fails here, not inside a worker
-    preflight.require(hosts)  # decoders that cannot load stop the run here, not in every worker
+    before = config.snapshot()
     config.put(config.ENABLED, True)
     _choose_stats_dir()
+    if _starts_runs():
+        # First, in the background: the warm forkserver's imports (seconds) overlap the
+        # pre-flight check's (torch, a second or two) and then the run's own set-up.
+        warm_start.start(hosts)
+    try:
+        preflight.require(hosts)  # decoders that cannot load stop the run here, not in every worker
+    except BaseException:  # refused (ProtectionUnavailable), or interrupted: nothing of ours stays
+        warm_start.withdraw()
+        config.restore(before)
+        raise
     integrations.enable_hosts(hosts)
     watchdog.install()
     worker_start.install()
-    if _starts_runs():
-        warm_start.start(hosts)  # in the background: done while the run loads its model
 
 
 _chosen_stats_dir: str | None = None

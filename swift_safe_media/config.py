@@ -313,6 +313,20 @@ def put(name: str, value) -> None:
     os.environ[name] = text
 
 
+def snapshot() -> dict[str, str | None]:
+    """Every setting as the environment holds it now, for :func:`restore`."""
+    return {name: os.environ.get(name) for name in SETTINGS}
+
+
+def restore(saved: dict[str, str | None]) -> None:
+    """Put every setting back as :func:`snapshot` found it (None: not set)."""
+    for name, text in saved.items():
+        if text is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = text
+
+
 # What wrote each setting in this process ("flag", "enable()"): where its value came from.
 _written_by: dict[str, str] = {}
 

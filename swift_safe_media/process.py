@@ -41,6 +41,7 @@ class ProcessState:
     # ours): what it forks starts with that, not with this process's environment of the
     # moment (CPython's rule), so workers are brought up to date (warm_start)
     forkserver_environment: dict | None = None
+    forkserver_preload_before: list | None = None  # CPython's forkserver preload before ours (warm_start.withdraw)
     # transport.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
     recycled_buffers: object = None
 

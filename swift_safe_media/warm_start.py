@@ -17,9 +17,12 @@ rank) long before its first batch, so their imports overlap the model's loading.
   and all its DataLoader workers. It is forked from the same forkserver (so it shares
   those pages too), or started by exec where the forkserver is not ours to use.
 
-Both start in the background: ``enable()`` returns at once. A forkserver that ends up
-with a thread after its imports is not forked from: DataLoaders asking for it get spawn
-(one warning) and the zygote is started by exec instead.
+Both start in the background, first thing in ``enable()``: their imports overlap the
+pre-flight check's (torch, a second or two) and then the run's own set-up, and ``enable()``
+returns as soon as the check has passed. A run the check refuses stops them again
+(:func:`withdraw`). A forkserver that ends up with a thread after its imports is not
+forked from: DataLoaders asking for it get spawn (one warning) and the zygote is started
+by exec instead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 
@@ -79,6 +83,30 @@ def stop() -> None:
         state.shared_zygote = None
 
 
+def withdraw() -> None:
+    """Undo :func:`start` for a run that will not be protected after all (``enable()``
+    refused it): the zygote stops, the warm forkserver is killed mid-import, and
+    CPython's forkserver is left as it was found, so a caller that goes on unprotected
+    forks from nothing of ours."""
+    from multiprocessing import forkserver
+
+    stop()  # first: a zygote not yet forked will not be
+    state = process.current()
+    if state.forkserver_environment is None:
+        return
+    state.forkserver_environment = None
+    server = forkserver._forkserver
+    # Under its lock, so that nothing starting a process meanwhile finds it dead and starts
+    # it again (CPython's ensure_running does).
+    with server._lock:
+        pid = server._forkserver_pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # it is importing for seconds: asking it to stop would wait for that
+            server._stop_unlocked()  # reaps it and forgets its address
+        server._preload_modules, state.forkserver_preload_before = state.forkserver_preload_before, None
+
+
 def _main_may_be_imported_again() -> bool:
     """A process forked from the forkserver imports the main script again (as spawn does):
     harmless only if the statement running it now is under ``if __name__ == "__main__":``
@@ -119,9 +147,11 @@ def _start_forkserver(hosts) -> bool:
     # Ours first, so nothing imports before the thread pools are quieted: not even the main
     # script (CPython's default preload, which CPython imports before any other); ours
     # imports it after the rest, when that is safe (_main_for_forkserver).
-    theirs = [name for name in getattr(server, "_preload_modules", ()) if name not in (PRELOAD_MODULE, "__main__")]
+    found = list(getattr(server, "_preload_modules", ()))
+    theirs = [name for name in found if name not in (PRELOAD_MODULE, "__main__")]
     multiprocessing.get_context(FORKSERVER).set_forkserver_preload([PRELOAD_MODULE, *theirs])
-    process.current().forkserver_environment = dict(os.environ)
+    state = process.current()
+    state.forkserver_environment, state.forkserver_preload_before = dict(os.environ), found
     server.ensure_running()  # starts it by exec and returns; it imports in the background
     return True
 

@@ -194,6 +194,8 @@ class SharedZygote:
     def _start(self, start_process) -> None:
         deadline = time.monotonic() + config.start_timeout()
         try:
+            if self._closed:  # closed before this thread ran (enable() refused the run)
+                raise EOFError
             self.process = start_process(self._zygote_end, self._listener)
             self._zygote_end.close()
             self._listener.close()  # the zygote holds it now: if it dies, callers are refused

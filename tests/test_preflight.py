@@ -4,6 +4,7 @@ flag parser and a plain script calling ``enable()`` stop before anything is deco
 with one message naming the piece and the command that installs it. ``swift-safe-media
 doctor`` shows the same, and everything in force in a healthy environment."""
 
+import ast
 import os
 import re
 import subprocess
@@ -61,6 +62,13 @@ def test_the_refusal_is_a_typed_exception_a_caller_can_catch(envs):
     assert code == 0, output
     assert "caught: torchcodec is not installed" in output and 'pip install "torchcodec>=0.12"' in output
     assert "protected: False env: None" in output  # nothing patched, nothing for children to inherit
+    # enable() starts the warm forkserver and the zygote before it checks (their imports
+    # overlap the check's): refused, it stops them and leaves CPython's forkserver as it was.
+    assert re.search(r"forkserver started: \[\d+\] alive: \[\]", output), output
+    assert "settings: []" in output, output
+    children = ast.literal_eval(re.search(r"^children: (.*)$", output, re.M).group(1))
+    assert all("resource_tracker" in child for child in children), children  # CPython's, stock behaviour
+    assert "forkserver: None preload: ['__main__']" in output, output
 
 
 @pytest.fixture(scope="module")
