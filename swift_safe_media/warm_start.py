@@ -248,6 +248,13 @@ def preload_in_forkserver() -> None:
     if trainer:
         process.die_with_parent(trainer)
     os.register_at_fork(after_in_child=_forked_from_forkserver)
+    if config.stall_timeout() > 0:
+        # What it forks answers the stall watchdog's stack dumps. The start-up hook, which
+        # makes spawned workers answer, looks for the watchdog's folder: enable() starts this
+        # process before it installs the watchdog.
+        from . import watchdog
+
+        watchdog.answer_stack_dumps()
     quiet = {name: "1" for name in config.THREAD_ENV_VARS}  # no thread pool may start at import
     # pyarrow (under datasets and LeRobot) starts jemalloc's purging thread as it loads.
     quiet["JE_ARROW_MALLOC_CONF"] = os.environ.get("JE_ARROW_MALLOC_CONF") or "background_thread:false"
