@@ -12,14 +12,17 @@ DataLoader does. Two ways of reading it, each stock and ours:
   the sandbox.
 
 Both use a cached torchcodec decoder (ours keeps LeRobot's cache in the sandbox).
-Stock and ours alternate sample by sample (each going first half the time), so both see
-the same load; the ratio of median frames/s over rounds is printed. Torch runs one
-thread, as in a DataLoader worker, where LeRobot decodes.
+Each side runs in a fresh process of its own, one round at a time, stock and ours
+alternating (each going first in half of the rounds), on the same shuffled timestamps:
+sides sharing a process would share glibc's heap, and one side's allocations change
+what the other's cost. The ratio of median frames/s over rounds is printed. Torch runs
+one thread, as in a DataLoader worker, where LeRobot decodes.
 
     .venv/bin/python bench/lerobot.py [--rounds 7] [--samples 150] [--seconds 10]
 """
 
 import argparse
+import json
 import random
 import statistics
 import subprocess
@@ -67,21 +70,65 @@ def record_episode(root: Path, seconds: int):
     return LeRobotDataset(REPO_ID, root=root)
 
 
-def timed(work) -> float:
+def timed(work, timestamps) -> float:
     started = time.perf_counter()
-    work()
+    for timestamp in timestamps:
+        work(timestamp)
     return time.perf_counter() - started
 
 
-def interleaved(stock, ours, timestamps) -> tuple[float, float]:
-    """Seconds spent by each side over ``timestamps``, alternating which goes first at each
-    one, so both see the same load on a busy machine."""
-    spent = [0.0, 0.0]
-    for number, timestamp in enumerate(timestamps):
-        sides = ((0, stock), (1, ours)) if number % 2 == 0 else ((1, ours), (0, stock))
-        for side, work in sides:
-            spent[side] += timed(lambda: work(timestamp))
-    return spent[0], spent[1]
+def child(side: str, root: str, samples: int, seed: int, seconds: int) -> dict:
+    """One round of one side in this (fresh) process: frames/s per sample and per call."""
+    torch.set_num_threads(1)
+    from lerobot.datasets import video_utils
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    dataset = LeRobotDataset(REPO_ID, root=root)
+    videos = [str(dataset.root / dataset.meta.get_video_file_path(0, camera)) for camera in CAMERAS]
+    stock_query = LeRobotDataset._query_videos
+    if side == "ours":
+        import swift_safe_media
+        from swift_safe_media.integrations import lerobot as adapter
+
+        # enable() then disable(): the settings (and the statistics every call records)
+        # stay, LeRobot's own functions are back, and ours are called by name.
+        swift_safe_media.enable(hosts=["lerobot"])
+        swift_safe_media.disable()
+        query = lambda *args: adapter.query_videos_in_one_call(stock_query, *args)  # noqa: E731
+        decode = adapter.safe_decode_video_frames
+    else:
+        query, decode = stock_query, video_utils.decode_video_frames
+    tolerance_s = 1 / FPS - 1e-4
+
+    def per_sample(timestamp):
+        item = query(dataset, {camera: [timestamp] for camera in CAMERAS}, 0)
+        assert all(item[camera].shape == (3, HEIGHT, WIDTH) for camera in CAMERAS)
+
+    def per_call(timestamp):
+        for path in videos:
+            assert decode(path, [timestamp], tolerance_s, "torchcodec").shape == (1, 3, HEIGHT, WIDTH)
+
+    every_timestamp = [index / FPS for index in range(seconds * FPS)]
+    for work in (per_sample, per_call):  # warm-up: the sandbox starts, the decoders open
+        timed(work, every_timestamp[:5])
+    timestamps = random.Random(seed).sample(every_timestamp, samples)
+    frames = len(timestamps) * len(CAMERAS)
+    result = {"sample": frames / timed(per_sample, timestamps), "call": frames / timed(per_call, timestamps)}
+    if side == "ours":
+        from swift_safe_media.engine import get_engine
+
+        result.update(calls=get_engine().stats["calls"], sandboxes=get_engine().stats["sandboxes_started"])
+    return result
+
+
+def run_child(side: str, root: Path, args, seed: int) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--child", side, "--root", str(root), "--samples",
+                           str(args.samples), "--seed", str(seed), "--seconds", str(args.seconds)],
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1])
 
 
 def main():
@@ -89,71 +136,44 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--samples", type=int, default=150, help="timestamps per round")
     parser.add_argument("--seconds", type=int, default=10, help="episode length")
+    parser.add_argument("--child", choices=("stock", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.child:
+        print(json.dumps(child(args.child, args.root, args.samples, args.seed, args.seconds)))
+        return
 
-    import swift_safe_media
-    from lerobot.datasets import video_utils
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset
-
-    from swift_safe_media.engine import get_engine
     from swift_safe_media.integrations import lerobot as adapter
 
     with tempfile.TemporaryDirectory() as folder:
         started = time.monotonic()
-        dataset = record_episode(Path(folder) / "dataset", args.seconds)
+        root = record_episode(Path(folder) / "dataset", args.seconds).root
         recorded_s = time.monotonic() - started
-        videos = [str(dataset.root / dataset.meta.get_video_file_path(0, camera)) for camera in CAMERAS]
-        # enable() then disable(): the settings (and the statistics every call records)
-        # stay, LeRobot's own functions are back, and ours are called by name: what the
-        # patch installs, side by side with the stock functions.
-        swift_safe_media.enable(hosts=["lerobot"])
-        swift_safe_media.disable()
-        stock_query = LeRobotDataset._query_videos
-        tolerance_s = 1 / FPS - 1e-4
-
-        def sample(query_videos):
-            def read(timestamp):
-                item = query_videos(dataset, {camera: [timestamp] for camera in CAMERAS}, 0)
-                assert all(item[camera].shape == (3, HEIGHT, WIDTH) for camera in CAMERAS)
-            return read
-
-        def each_camera(decode):
-            def read(timestamp):
-                for path in videos:
-                    assert decode(path, [timestamp], tolerance_s, "torchcodec").shape == (1, 3, HEIGHT, WIDTH)
-            return read
-
-        levels = {
-            "sample": (sample(stock_query),
-                       sample(lambda *query: adapter.query_videos_in_one_call(stock_query, *query))),
-            "call": (each_camera(video_utils.decode_video_frames), each_camera(adapter.safe_decode_video_frames)),
-        }
-        every_timestamp = [index / FPS for index in range(args.seconds * FPS)]
-        for stock, ours in levels.values():  # warm-up: the sandbox starts, both open their decoders
-            interleaved(stock, ours, every_timestamp[:5])
-        draw = random.Random(0)
-        results = {}
-        for _ in range(args.rounds):
-            timestamps = draw.sample(every_timestamp, args.samples)
-            frames = len(timestamps) * len(CAMERAS)
-            for level, (stock, ours) in levels.items():
-                stock_s, ours_s = interleaved(stock, ours, timestamps)
-                results.setdefault(f"stock {level}", []).append(frames / stock_s)
-                results.setdefault(f"ours {level}", []).append(frames / ours_s)
-        calls = get_engine().stats["calls"]
+        results: dict[str, list[float]] = {}
+        ours = {}
+        for number in range(args.rounds):
+            for side in (("stock", "ours") if number % 2 == 0 else ("ours", "stock")):
+                found = run_child(side, root, args, seed=number)
+                for level in ("sample", "call"):
+                    results.setdefault(f"{side} {level}", []).append(found[level])
+                if side == "ours":
+                    ours = found
 
     fps = {name: statistics.median(values) for name, values in results.items()}
     print(f"LeRobot {adapter.get_version()} torchcodec decode, {len(CAMERAS)} cameras x "
           f"{WIDTH}x{HEIGHT} at {FPS} fps recorded with LeRobot's API ({recorded_s:.0f} s), "
-          f"{args.samples} shuffled samples x {args.rounds} rounds (median frames/s, side by side)")
+          f"{args.samples} shuffled samples x {args.rounds} rounds, each side in its own process "
+          f"(median frames/s, alternating)")
     for level, what in (("sample", "per sample, LeRobotDataset._query_videos (both cameras)"),
                         ("call", "per call, decode_video_frames (one camera)")):
-        stock, ours = fps[f"stock {level}"], fps[f"ours {level}"]
+        stock, mine = fps[f"stock {level}"], fps[f"ours {level}"]
+        spread = {side: ", ".join(f"{value:.0f}" for value in results[f"{side} {level}"]) for side in ("stock", "ours")}
         print(f"  {what}:")
-        print(f"    stock {stock:7.1f} frames/s ({1e3 / stock:.2f} ms/frame), ours {ours:7.1f} frames/s "
-              f"({1e3 / ours:.2f} ms/frame): ratio ours/stock {ours / stock:.3f}x")
-    print(f"  target >= 0.95x; sandbox calls {calls}, sandboxes started {get_engine().stats['sandboxes_started']}")
+        print(f"    stock {stock:7.1f} frames/s ({1e3 / stock:.2f} ms/frame) [{spread['stock']}], ours {mine:7.1f} "
+              f"frames/s ({1e3 / mine:.2f} ms/frame) [{spread['ours']}]: ratio ours/stock {mine / stock:.3f}x")
+    print(f"  target >= 0.95x; sandbox calls {ours.get('calls')}, sandboxes started {ours.get('sandboxes')} "
+          f"(last round of ours)")
 
 
 if __name__ == "__main__":
