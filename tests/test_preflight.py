@@ -67,7 +67,7 @@ def test_the_refusal_is_a_typed_exception_a_caller_can_catch(envs):
     assert re.search(r"forkserver started: \[\d+\] alive: \[\]", output), output
     assert "settings: []" in output, output
     children = ast.literal_eval(re.search(r"^children: (.*)$", output, re.M).group(1))
-    assert all("resource_tracker" in child for child in children), children  # CPython's, stock behaviour
+    assert all("resource_tracker" in child for child in children), children  # CPython's: ends with the caller
     assert "forkserver: None preload: ['__main__']" in output, output
 
 

@@ -3,8 +3,8 @@
 ``python -m tests.programs.catch_refusal`` calls ``enable()``; on
 ``ProtectionUnavailable`` it prints ``caught: MISSING | FIX``; then it prints whether
 protection is enabled, the ``SWIFT_SAFE_MEDIA`` environment variable children would
-inherit, the other settings in the environment, the processes still running that this
-one started (``enable()`` starts the warm forkserver and the zygote before its check),
+inherit, the other settings in the environment, the processes still running below this
+one (``enable()`` starts the warm forkserver and the zygote before its check),
 the forkserver ``enable()`` started and whether it still runs, and CPython's
 forkserver: its process and preload list.
 """
@@ -17,6 +17,7 @@ from multiprocessing import forkserver
 
 def main() -> None:
     import swift_safe_media
+    from swift_safe_media import watchdog, zygote  # their /proc helpers: what runs below this process
 
     server = forkserver._forkserver
     ensure_running, started = server.ensure_running, []
@@ -32,28 +33,10 @@ def main() -> None:
         print("caught:", exc.missing, "|", exc.fix)
     print("protected:", swift_safe_media.is_enabled(), "env:", os.environ.get("SWIFT_SAFE_MEDIA"))
     print("settings:", sorted(name for name in os.environ if name.startswith("SWIFT_SAFE_MEDIA")))
-    print("children:", sorted(_children()))  # CPython's resource tracker, if anything (it starts one for its forkserver)
-    print("forkserver started:", started[:1], "alive:", [pid for pid in started[:1] if _alive(pid)])
+    # CPython's resource tracker, if anything (its forkserver starts one, and it ends with this process).
+    print("children:", sorted(str(watchdog._cmdline(pid)).strip() for pid in watchdog._descendants(os.getpid())))
+    print("forkserver started:", started[:1], "alive:", [pid for pid in started[:1] if zygote._exists(pid)])
     print("forkserver:", server._forkserver_pid, "preload:", server._preload_modules)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _children() -> list[str]:
-    """What the processes this one started and that still run are running."""
-    found = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as children:
-            for pid in children.read().split():
-                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                    found.append(cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip())
-    return found
 
 
 if __name__ == "__main__":
