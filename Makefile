@@ -65,6 +65,7 @@ bench: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) bench/swift_startup.py
 	$(PY) bench/lerobot.py
 	$(PY) bench/lerobot_train.py
+	$(PY) bench/lerobot_train.py --policy act
 
 clean:
 	rm -rf $(VENV) $(LEROBOT_VENV)

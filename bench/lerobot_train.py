@@ -9,7 +9,7 @@ which is where spawn costs), and the peak PSS of its whole process tree (trainer
 forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline.py`` does).
 Prints medians, their ratio, and the spread over rounds.
 
-    python bench/lerobot_train.py [--rounds 3] [--steps 20]
+    python bench/lerobot_train.py [--rounds 3] [--steps 20] [--policy tiny|act]
 """
 
 import argparse
@@ -43,14 +43,25 @@ def _bench_pipeline():
     return module
 
 
-def train(root: Path, output_dir: Path, steps: int, protected: bool) -> tuple[float, float, float, str]:
+# ACT's sizes: "tiny" keeps the trainer's own memory small, so the ratio shows what
+# protection adds to a trainer holding almost nothing; "act" is ACT as LeRobot configures
+# it (ResNet-18 backbone, 512-wide transformer, 100-step chunks; random weights: nothing is
+# downloaded), what a user trains.
+POLICIES = {
+    "tiny": ["--policy.dim_model=32", "--policy.n_heads=2", "--policy.dim_feedforward=64",
+             "--policy.n_encoder_layers=1", "--policy.n_decoder_layers=1", "--policy.chunk_size=5",
+             "--policy.n_action_steps=5"],
+    "act": [],
+}
+
+
+def train(root: Path, output_dir: Path, steps: int, protected: bool,
+          policy: str = "tiny") -> tuple[float, float, float, str]:
     """(wall seconds, first batch's wait in seconds, peak PSS in MB, where it was) of one
     lerobot-train run."""
     command = [str(LEROBOT_VENV / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
                f"--dataset.root={root}", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
-               "--policy.pretrained_backbone_weights=null", "--policy.dim_model=32", "--policy.n_heads=2",
-               "--policy.dim_feedforward=64", "--policy.n_encoder_layers=1", "--policy.n_decoder_layers=1",
-               "--policy.chunk_size=5", "--policy.n_action_steps=5", "--batch_size=4", "--num_workers=2",
+               "--policy.pretrained_backbone_weights=null", *POLICIES[policy], "--batch_size=4", "--num_workers=2",
                f"--steps={steps}", "--log_freq=1", "--save_checkpoint=false", "--eval_freq=0",
                "--wandb.enable=false", f"--output_dir={output_dir}"]
     env = {name: value for name, value in os.environ.items() if not name.startswith("SWIFT_SAFE_MEDIA")}
@@ -75,6 +86,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="tiny",
+                        help="ACT's size: tiny (the trainer holds almost nothing) or act (LeRobot's defaults)")
     args = parser.parse_args()
     if not (LEROBOT_VENV / "bin" / "lerobot-train").exists():
         sys.exit(f"{LEROBOT_VENV} is missing: `make test` builds it")
@@ -85,7 +98,7 @@ def main():
         for number in range(args.rounds):
             for protected in ((False, True) if number % 2 == 0 else (True, False)):
                 output_dir = Path(folder) / f"out-{number}-{int(protected)}"
-                results[protected].append(train(root, output_dir, args.steps, protected))
+                results[protected].append(train(root, output_dir, args.steps, protected, args.policy))
                 wall, first, peak, where = results[protected][-1]
                 print(f"round {number + 1} {'ours ' if protected else 'stock'}: wall {wall:.1f} s, "
                       f"first batch {first:.1f} s, peak PSS {peak:.0f} MB\n    PSS at the peak, MB: {where}",
@@ -93,7 +106,7 @@ def main():
     stock_wall, ours_wall = ([run[0] for run in results[side]] for side in (False, True))
     stock_first, ours_first = ([run[1] for run in results[side]] for side in (False, True))
     stock_peak, ours_peak = ([run[2] for run in results[side]] for side in (False, True))
-    print(f"lerobot-train, {args.steps} steps, 2 workers, {args.rounds} alternating rounds (medians, spread):")
+    print(f"lerobot-train, {args.policy} ACT, {args.steps} steps, 2 workers, {args.rounds} alternating rounds (medians, spread):")
     print(f"  wall time   ours/stock {statistics.median(ours_wall) / statistics.median(stock_wall):.2f}x "
           f"({statistics.median(ours_wall):.1f} s [{spread(ours_wall)}] vs "
           f"{statistics.median(stock_wall):.1f} s [{spread(stock_wall)}])")

@@ -300,7 +300,7 @@ def child_lerobot(args, inputs: dict) -> dict:
 
 def _context(args) -> dict:
     """Without --context each side keeps its default: stock forks, protection chooses."""
-    if not args.context or args.context == "default":
+    if not args.context or args.context == "default" or args.workers == 0:  # no workers: nothing starts
         return {}
     return {"multiprocessing_context": args.context}
 
