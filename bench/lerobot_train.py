@@ -1,7 +1,7 @@
 """The real ``lerobot-train``, stock vs ``--safe_media=true``, side by side in one run.
 
 A clean dataset recorded with LeRobot's own API (2 AV1 cameras, 8 episodes of 10 frames),
-a tiny ACT on the CPU (torch on one thread), 20 steps, 2 DataLoader workers, run from LeRobot's own environment
+a tiny ACT on the CPU (torch on one thread), 20 steps, 2 DataLoader workers (`--workers`), run from LeRobot's own environment
 (``.venv-lerobot/``, built by ``make test``). Rounds alternate which side goes first, so
 both see the same load. Per run: wall time of the whole command, and the first batch's
 wait (LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,
@@ -9,7 +9,7 @@ which is where spawn costs), and the peak PSS of its whole process tree (trainer
 forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline.py`` does).
 Prints medians, their ratio, and the spread over rounds.
 
-    python bench/lerobot_train.py [--rounds 3] [--steps 20] [--policy tiny|act]
+    python bench/lerobot_train.py [--rounds 3] [--steps 20] [--policy tiny|act] [--workers 2]
 """
 
 import argparse
@@ -56,12 +56,12 @@ POLICIES = {
 
 
 def train(root: Path, output_dir: Path, steps: int, protected: bool,
-          policy: str = "tiny") -> tuple[float, float, float, str]:
+          policy: str = "tiny", workers: int = 2) -> tuple[float, float, float, str]:
     """(wall seconds, first batch's wait in seconds, peak PSS in MB, where it was) of one
     lerobot-train run."""
     command = [str(LEROBOT_VENV / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
                f"--dataset.root={root}", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
-               "--policy.pretrained_backbone_weights=null", *POLICIES[policy], "--batch_size=4", "--num_workers=2",
+               "--policy.pretrained_backbone_weights=null", *POLICIES[policy], "--batch_size=4", f"--num_workers={workers}",
                f"--steps={steps}", "--log_freq=1", "--save_checkpoint=false", "--eval_freq=0",
                "--wandb.enable=false", f"--output_dir={output_dir}"]
     env = {name: value for name, value in os.environ.items() if not name.startswith("SWIFT_SAFE_MEDIA")}
@@ -88,6 +88,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--policy", choices=sorted(POLICIES), default="tiny",
                         help="ACT's size: tiny (the trainer holds almost nothing) or act (LeRobot's defaults)")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (LeRobot's default: 4)")
     args = parser.parse_args()
     if not (LEROBOT_VENV / "bin" / "lerobot-train").exists():
         sys.exit(f"{LEROBOT_VENV} is missing: `make test` builds it")
@@ -98,7 +99,7 @@ def main():
         for number in range(args.rounds):
             for protected in ((False, True) if number % 2 == 0 else (True, False)):
                 output_dir = Path(folder) / f"out-{number}-{int(protected)}"
-                results[protected].append(train(root, output_dir, args.steps, protected, args.policy))
+                results[protected].append(train(root, output_dir, args.steps, protected, args.policy, args.workers))
                 wall, first, peak, where = results[protected][-1]
                 print(f"round {number + 1} {'ours ' if protected else 'stock'}: wall {wall:.1f} s, "
                       f"first batch {first:.1f} s, peak PSS {peak:.0f} MB\n    PSS at the peak, MB: {where}",
@@ -106,7 +107,7 @@ def main():
     stock_wall, ours_wall = ([run[0] for run in results[side]] for side in (False, True))
     stock_first, ours_first = ([run[1] for run in results[side]] for side in (False, True))
     stock_peak, ours_peak = ([run[2] for run in results[side]] for side in (False, True))
-    print(f"lerobot-train, {args.policy} ACT, {args.steps} steps, 2 workers, {args.rounds} alternating rounds (medians, spread):")
+    print(f"lerobot-train, {args.policy} ACT, {args.steps} steps, {args.workers} workers, {args.rounds} alternating rounds (medians, spread):")
     print(f"  wall time   ours/stock {statistics.median(ours_wall) / statistics.median(stock_wall):.2f}x "
           f"({statistics.median(ours_wall):.1f} s [{spread(ours_wall)}] vs "
           f"{statistics.median(stock_wall):.1f} s [{spread(stock_wall)}])")
