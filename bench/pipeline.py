@@ -261,7 +261,7 @@ def child_swift(args, inputs: dict) -> dict:
     dataset = load_dataset(inputs["dataset"], num_proc=1)[0]
     rows = LazyLLMDataset(dataset, template.encode, random_state=42)
     context = _context(args)
-    if args.side == "protected" and not args.context:
+    if args.side == "protected" and not args.context and args.workers > 0:
         # What the adapter's parse_args adds (--dataloader_multiprocessing_context) for swift sft.
         from swift_safe_media import config
 
