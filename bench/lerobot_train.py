@@ -1,7 +1,8 @@
 """The real ``lerobot-train``, stock vs ``--safe_media=true``, side by side in one run.
 
 A clean dataset recorded with LeRobot's own API (2 AV1 cameras, 8 episodes of 10 frames),
-a tiny ACT on the CPU (torch on one thread), 20 steps, 2 DataLoader workers (`--workers`), run from LeRobot's own environment
+ACT on the CPU (torch on one thread; tiny, or at LeRobot's own size with ``--policy act``),
+20 steps, 2 DataLoader workers (``--workers``), run from LeRobot's own environment
 (``.venv-lerobot/``, built by ``make test``). Rounds alternate which side goes first, so
 both see the same load. Per run: wall time of the whole command, and the first batch's
 wait (LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,

@@ -260,13 +260,13 @@ def child_swift(args, inputs: dict) -> dict:
     template.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(inputs["model"])  # as swift sft does
     dataset = load_dataset(inputs["dataset"], num_proc=1)[0]
     rows = LazyLLMDataset(dataset, template.encode, random_state=42)
-    context = _context(args)
-    if args.side == "protected" and not args.context and args.workers > 0:
+    chosen = None
+    if args.side == "protected":
         # What the adapter's parse_args adds (--dataloader_multiprocessing_context) for swift sft.
         from swift_safe_media import config
 
-        if config.mp_context() != "default":
-            context = {"multiprocessing_context": config.mp_context()}
+        chosen = config.mp_context()
+    context = _context(args, chosen)
     loader = DataLoader(rows, batch_size=1, num_workers=args.workers, collate_fn=template.data_collator,
                         worker_init_fn=_instrument_worker if args.breakdown_dir else None, **context)
     if args.breakdown_dir:
@@ -298,11 +298,14 @@ def child_lerobot(args, inputs: dict) -> dict:
     return result
 
 
-def _context(args) -> dict:
-    """Without --context each side keeps its default: stock forks, protection chooses."""
-    if not args.context or args.context == "default" or args.workers == 0:  # no workers: nothing starts
+def _context(args, chosen_by_protection: str | None = None) -> dict:
+    """The DataLoader's start method: --context, else the one protection writes for the
+    host (ms-swift's flags do; LeRobot's ``cycle`` chooses as workers start), else the
+    side's own default (stock forks). Nothing for a loader without workers: nothing starts."""
+    method = args.context or chosen_by_protection
+    if args.workers == 0 or not method or method == "default":
         return {}
-    return {"multiprocessing_context": args.context}
+    return {"multiprocessing_context": method}
 
 
 def _timed_batches(batches, count: int, breakdown_dir) -> dict:
