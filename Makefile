@@ -10,7 +10,7 @@ LEROBOT_PY := $(LEROBOT_VENV)/bin/python
 LEROBOT_STAMP := $(LEROBOT_VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test demo bench ffmpeg build-tools clean
+.PHONY: test demo bench dist ffmpeg build-tools clean
 
 SOURCES := $(shell find swift_safe_media -name '*.py') _swift_safe_media_startup.py swift_safe_media.pth setup.py
 
@@ -67,5 +67,11 @@ bench: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) bench/lerobot_train.py
 	$(PY) bench/lerobot_train.py --policy act
 
+# The sdist and the wheel, as PyPI would get them, checked (tests/test_packaging.py does the same).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) $(LEROBOT_VENV)
+	rm -rf $(VENV) $(LEROBOT_VENV) dist
