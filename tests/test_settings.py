@@ -1,5 +1,5 @@
-"""Every ``SWIFT_SAFE_MEDIA*`` setting is declared once in ``config.py``: the README's
-table lists exactly those, each parses through the one parser, and ``enable()`` refuses
+"""Every ``SWIFT_SAFE_MEDIA*`` setting is declared once in ``config.py``: the table of
+``docs/settings.md`` lists exactly those, each parses through the one parser, and ``enable()`` refuses
 a malformed value of any of them, naming it, before anything is patched."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import pytest
 import swift_safe_media
 from swift_safe_media import config
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+SETTINGS_PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 
 
-def readme_settings_table() -> list[str]:
-    section = README.read_text().split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+def documented_settings() -> list[str]:
+    section = SETTINGS_PAGE.read_text().split("\n## Environment variables\n", 1)[1].split("\n## ", 1)[0]
     return [match for line in section.splitlines() if line.startswith("| `")
             for match in re.findall(r"^\| `(SWIFT_SAFE_MEDIA\w*)`", line)]
 
 
-def test_the_readme_table_lists_exactly_the_registry():
-    listed = readme_settings_table()
+def test_the_settings_page_lists_exactly_the_registry():
+    listed = documented_settings()
     assert len(listed) == len(set(listed)), listed
     assert sorted(listed) == sorted(config.SETTINGS)
 
