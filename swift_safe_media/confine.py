@@ -21,14 +21,14 @@ rather than killing the sandbox, so the refusal reaches the caller as an error t
 ``OSError`` or inside an FFmpeg message ("Unknown error 3042"). Landlock refusals are
 plain EACCES; ``refusal()`` names them when the file's own permissions would allow the
 write. The policy is built once per zygote (``prepare``) and applied in each forked
-sandbox with three system calls (``apply``), so confinement costs no start-up time
+sandbox with three system calls (``apply``); the kernel interfaces are in
+:mod:`.confine_kernel`, so confinement costs no start-up time
 one can measure.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import glob
 import logging
@@ -38,6 +38,8 @@ import sys
 from dataclasses import dataclass, field
 
 from . import config
+from . import confine_kernel as kernel
+from .confine_kernel import landlock_abi, seccomp_available  # noqa: F401  (part of this module's API)
 
 log = logging.getLogger("swift_safe_media")
 
@@ -69,10 +71,6 @@ REFUSED_SYSCALLS = (
     "adjtimex", "sethostname", "setdomainname",
 )
 
-# Newer than some libseccomp releases know (Linux 6.13); one number on every
-# architecture since the syscall table was unified.
-_NEWER_SYSCALLS = {"setxattrat": 463, "removexattrat": 466}
-
 _AF_UNIX = 1
 _SOCK_DGRAM = 2
 _SOCK_TYPE_MASK = 0xF
@@ -81,22 +79,7 @@ _SOCK_TYPE_MASK = 0xF
 _CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
                           0x20000000, 0x40000000, 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
 
-# libseccomp (seccomp.h)
-_SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_ACT_ERRNO = 0x00050000
-_SCMP_FLTATR_CTL_TSYNC = 4
-_SCMP_FLTATR_CTL_OPTIMIZE = 8
-_SCMP_CMP_NE, _SCMP_CMP_MASKED_EQ = 1, 7
-# kernel ABI
-_PR_SET_NO_NEW_PRIVS = 38
-_SECCOMP_SET_MODE_FILTER = 1
-_SECCOMP_FILTER_FLAG_TSYNC = 1
-_SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
-_LANDLOCK_CREATE_RULESET_VERSION = 1
-_LANDLOCK_RULE_PATH_BENEATH = 1
-
-# Landlock file-system rights, with the ABI that introduced each.
-_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+# Landlock rights refused (handled, with no rule allowing them), with the ABI that introduced each.
 _FS_WRITE_RIGHTS = (  # (name, bit, abi)
     ("write_file", 1 << 1, 1), ("remove_dir", 1 << 4, 1), ("remove_file", 1 << 5, 1),
     ("make_char", 1 << 6, 1), ("make_dir", 1 << 7, 1), ("make_reg", 1 << 8, 1),
@@ -105,83 +88,6 @@ _FS_WRITE_RIGHTS = (  # (name, bit, abi)
 )
 _NET_RIGHTS = (("bind_tcp", 1 << 0, 4), ("connect_tcp", 1 << 1, 4))
 _SCOPES = (("abstract_unix_socket", 1 << 0, 6), ("signal", 1 << 1, 6))
-_RULESET_ATTR_SIZE = {1: 8, 2: 8, 3: 8, 4: 16, 5: 16}  # ABI 6 and later: 24
-
-
-class _ArgCompare(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
-                ("datum_a", ctypes.c_uint64), ("datum_b", ctypes.c_uint64)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libseccomp = None
-
-
-def _seccomp_library():
-    global _libseccomp
-    if _libseccomp is None:
-        name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
-        lib = ctypes.CDLL(name, use_errno=True)
-        lib.seccomp_init.restype = ctypes.c_void_p
-        lib.seccomp_init.argtypes = [ctypes.c_uint32]
-        lib.seccomp_release.argtypes = [ctypes.c_void_p]
-        lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
-        lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
-                                               ctypes.c_uint, ctypes.POINTER(_ArgCompare)]
-        lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-        _libseccomp = lib
-    return _libseccomp
-
-
-def syscall_numbers() -> dict[str, int]:
-    """This architecture's numbers of the refused syscalls (those it has)."""
-    lib = _seccomp_library()
-    found = {}
-    for name in REFUSED_SYSCALLS + ("socket", "socketpair", "clone", "clone3", "seccomp"):
-        number = lib.seccomp_syscall_resolve_name(name.encode())
-        if number >= 0:  # negative: a pseudo number, the call does not exist here
-            found[name] = number
-        elif name in _NEWER_SYSCALLS and os.uname().machine in ("x86_64", "aarch64"):
-            found[name] = _NEWER_SYSCALLS[name]
-    return found
-
-
-def _syscall(number, *args) -> int:
-    result = _libc.syscall(ctypes.c_long(number), *args)
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return result
-
-
-# -- kernel support --------------------------------------------------------------------
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version; 0 without Landlock."""
-    result = _libc.syscall(ctypes.c_long(_SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0),
-                           ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
-    return max(result, 0)
-
-
-def seccomp_available() -> str | None:
-    """None when seccomp filters can be used here, else why not."""
-    try:
-        _seccomp_library()
-    except OSError as exc:
-        return f"libseccomp not found ({exc})"
-    if _libc.prctl(21, 0, 0, 0, 0) < 0:  # PR_GET_SECCOMP
-        return "the kernel has no seccomp"
-    return None
 
 
 # -- building the policy (once per zygote) ------------------------------------------------
@@ -212,7 +118,7 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
             policy.seccomp_number = syscall_numbers()["seccomp"]
             program = policy._program_buffer = ctypes.create_string_buffer(
                 policy.seccomp_program, len(policy.seccomp_program))
-            policy._fprog = _SockFprog(len(policy.seccomp_program) // 8, ctypes.cast(program, ctypes.c_void_p))
+            policy._fprog = kernel.SockFprog(len(policy.seccomp_program) // 8, ctypes.cast(program, ctypes.c_void_p))
         except (OSError, KeyError) as exc:
             problem = f"seccomp filter not built: {exc}"
     if problem:
@@ -230,54 +136,35 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
 
 
 def _refused(number: int) -> int:
-    return _SCMP_ACT_ERRNO | (REFUSED_ERRNO_BASE + number)
+    return kernel.SCMP_ACT_ERRNO | (REFUSED_ERRNO_BASE + number)
+
+
+def syscall_numbers() -> dict[str, int]:
+    """This architecture's numbers of the refused syscalls (those it has)."""
+    return kernel.syscall_numbers(REFUSED_SYSCALLS + ("socket", "socketpair", "clone", "clone3", "seccomp"))
 
 
 def _build_seccomp_program() -> bytes:
-    lib = _seccomp_library()
     numbers = syscall_numbers()
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        raise OSError(errno.ENOMEM, "seccomp_init failed")
-
-    def add(action, number, *compares):
-        array = (_ArgCompare * max(len(compares), 1))(*[_ArgCompare(*c) for c in compares])
-        rc = lib.seccomp_rule_add_array(ctx, action, number, len(compares), array)
-        if rc < 0:
-            raise OSError(-rc, f"seccomp rule for syscall {number}: {os.strerror(-rc)}")
-
-    try:
+    with kernel.SeccompFilter(kernel.SCMP_ACT_ALLOW) as program:
         # Every thread, also those a preloaded library started (the exec fallback).
-        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_TSYNC, 1)
+        program.set_attribute(kernel.SCMP_FLTATR_CTL_TSYNC, 1)
         # A binary search over syscall numbers rather than a list: fewer instructions run
         # on every system call (libseccomp >= 2.5; older ones keep the list).
-        lib.seccomp_attr_set(ctx, _SCMP_FLTATR_CTL_OPTIMIZE, 2)
+        program.set_attribute(kernel.SCMP_FLTATR_CTL_OPTIMIZE, 2)
         for name in REFUSED_SYSCALLS:
             if name in numbers:
-                add(_refused(numbers[name]), numbers[name])
+                program.add(_refused(numbers[name]), numbers[name])
         for name in ("socket", "socketpair"):
             # Local stream sockets only: no network family, no datagram to a named socket.
-            add(_refused(numbers[name]), numbers[name], (0, _SCMP_CMP_NE, _AF_UNIX, 0))
-            add(_refused(numbers[name]), numbers[name],
-                (1, _SCMP_CMP_MASKED_EQ, _SOCK_TYPE_MASK, _SOCK_DGRAM))
+            program.add(_refused(numbers[name]), numbers[name], (0, kernel.SCMP_CMP_NE, _AF_UNIX, 0))
+            program.add(_refused(numbers[name]), numbers[name],
+                        (1, kernel.SCMP_CMP_MASKED_EQ, _SOCK_TYPE_MASK, _SOCK_DGRAM))
         for flag in _CLONE_NAMESPACE_FLAGS:
-            add(_refused(numbers["clone"]), numbers["clone"], (0, _SCMP_CMP_MASKED_EQ, flag, flag))
+            program.add(_refused(numbers["clone"]), numbers["clone"], (0, kernel.SCMP_CMP_MASKED_EQ, flag, flag))
         if "clone3" in numbers:
-            add(_SCMP_ACT_ERRNO | errno.ENOSYS, numbers["clone3"])
-        out = os.memfd_create("swift-safe-media-seccomp")
-        try:
-            rc = lib.seccomp_export_bpf(ctx, out)
-            if rc < 0:
-                raise OSError(-rc, f"seccomp_export_bpf: {os.strerror(-rc)}")
-            os.lseek(out, 0, os.SEEK_SET)
-            chunks = []
-            while chunk := os.read(out, 1 << 16):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(out)
-    finally:
-        lib.seccomp_release(ctx)
+            program.add(kernel.SCMP_ACT_ERRNO | errno.ENOSYS, numbers["clone3"])
+        return program.export_bpf()
 
 
 def _rights(table, abi: int) -> int:
@@ -289,22 +176,18 @@ def _rights(table, abi: int) -> int:
 
 
 def _build_landlock_ruleset(abi: int, read_roots, extra_readable) -> int:
-    handled_fs = _rights(_FS_WRITE_RIGHTS, abi) | _FS_EXECUTE
+    handled_fs = _rights(_FS_WRITE_RIGHTS, abi) | kernel.FS_EXECUTE
     if read_roots is not None:
-        handled_fs |= _FS_READ_FILE | _FS_READ_DIR
-    values = [handled_fs, _rights(_NET_RIGHTS, abi), _rights(_SCOPES, abi)]
-    size = _RULESET_ATTR_SIZE.get(abi, 24)
-    attr = (ctypes.c_uint64 * 3)(*values)
-    fd = _syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size),
-                  ctypes.c_uint32(0))
+        handled_fs |= kernel.FS_READ_FILE | kernel.FS_READ_DIR
+    fd = kernel.create_landlock_ruleset(abi, handled_fs, _rights(_NET_RIGHTS, abi), _rights(_SCOPES, abi))
     try:
         # Writing to /dev/null (and GPU device nodes, for users' CUDA decodes) changes nothing.
         for device in ["/dev/null", *glob.glob("/dev/nvidia*"), *glob.glob("/dev/dri/renderD*")]:
-            reads = _FS_READ_FILE if read_roots is not None else 0
-            _allow_beneath(fd, device, _FS_WRITE_FILE | reads)
+            reads = kernel.FS_READ_FILE if read_roots is not None else 0
+            kernel.allow_beneath(fd, device, kernel.FS_WRITE_FILE | reads)
         if read_roots is not None:
             for root in readable_roots(read_roots, extra_readable):
-                _allow_beneath(fd, root, _FS_READ_FILE | _FS_READ_DIR)
+                kernel.allow_beneath(fd, root, kernel.FS_READ_FILE | kernel.FS_READ_DIR)
     except BaseException:
         os.close(fd)
         raise
@@ -325,21 +208,6 @@ def readable_roots(read_roots, extra_readable=()) -> list[str]:
     return found
 
 
-def _allow_beneath(ruleset_fd: int, path: str, rights: int) -> None:
-    try:
-        target = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        if not os.path.isdir(path):  # a file takes file rights only
-            rights &= _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | (1 << 14)
-        rule = _PathBeneath(rights, target)
-        _syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset_fd),
-                 ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
-    finally:
-        os.close(target)
-
-
 # -- applying it (in each sandbox) ---------------------------------------------------------
 
 _applied: dict | None = None  # what this process runs under, for status_here()
@@ -349,15 +217,12 @@ def apply(policy: Policy) -> None:
     """Confine this process for good. Raises OSError if a layer the policy has cannot
     be installed (the sandbox must then not serve calls)."""
     global _applied
-    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"PR_SET_NO_NEW_PRIVS: {os.strerror(err)}")
+    kernel.set_no_new_privs()
     if policy.landlock_fd >= 0:
-        _syscall(_SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(policy.landlock_fd), ctypes.c_uint32(0))
+        kernel.landlock_restrict_self(policy.landlock_fd)
         os.close(policy.landlock_fd)
     if policy.seccomp_program:
-        _syscall(policy.seccomp_number, ctypes.c_uint(_SECCOMP_SET_MODE_FILTER),
-                 ctypes.c_uint(_SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(policy._fprog))
+        kernel.install_seccomp_filter(policy.seccomp_number, policy._fprog)
     # Imports after this point cannot write their bytecode caches: do not try.
     sys.dont_write_bytecode = True
     _applied = {"seccomp": bool(policy.seccomp_program), "landlock_abi": policy.landlock_abi,
