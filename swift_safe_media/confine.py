@@ -333,7 +333,7 @@ def _writable_but_for_landlock(path) -> bool:
 
 
 def describe_refused() -> dict:
-    """The refused syscalls and Landlock rights, as this kernel gets them (README, report)."""
+    """The refused syscalls and Landlock rights, as this kernel gets them (for `swift-safe-media confinement` and doctor)."""
     abi = landlock_abi()
     return {
         "syscalls": list(REFUSED_SYSCALLS) + [
