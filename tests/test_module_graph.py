@@ -1,4 +1,5 @@
-"""The package's modules import each other without cycles.
+"""The package's modules import each other without cycles, and none outgrows one
+concern (at most ``MAX_MODULE_LINES`` lines).
 
 The graph is read from the source (the AST), imports inside functions included: a
 lazy import that only hides a cycle from the interpreter is still a cycle for the
@@ -83,6 +84,15 @@ def test_the_package_imports_without_cycles():
     graph = import_graph()
     assert "swift_safe_media.engine" in graph and graph["swift_safe_media"], graph
     assert cycles(graph) == []
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {name: len(path.read_text().splitlines()) for name, path in module_names().items()}
+    long = {name: lines for name, lines in long.items() if lines > MAX_MODULE_LINES}
+    assert not long, f"split these by concern (at most {MAX_MODULE_LINES} lines): {long}"
 
 
 def test_a_cycle_is_found():
