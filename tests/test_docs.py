@@ -107,3 +107,11 @@ def test_the_anchor_rule_matches_githubs():
     assert github_anchor("Safe decoders (`swift_safe_media.decoders`)") == "safe-decoders-swift_safe_mediadecoders"
     assert github_anchor("ms-swift: two steps") == "ms-swift-two-steps"
     assert github_anchor("What `--safe_media true` changes") == "what---safe_media-true-changes"
+
+
+def test_the_layout_names_every_module():
+    layout = (DOCS / "how-it-works.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    package = ROOT / "swift_safe_media"
+    modules = sorted(str(path.relative_to(package)) for path in package.rglob("*.py"))
+    missing = [module for module in modules if f"`{module}`" not in layout]
+    assert not missing, f"docs/how-it-works.md#layout does not name: {missing}"
