@@ -15,9 +15,9 @@ import functools
 import inspect
 import os
 
-from . import config, sandbox
+from . import config, sandbox, watchdog
 from .accounting import Accounting
-from .errors import MediaQuarantined
+from .errors import MediaDecodeTimeout, MediaQuarantined
 from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setup, get_engine,
                    set_up_sandboxes, shutdown)
 from .sandbox import in_sandbox, mark_in_sandbox
@@ -99,13 +99,17 @@ def _call(fn, args, kwargs, timeout, media, confined, count_success=True):
 FAILED_PATH = "swift_safe_media_path"  # set by call_each on the exception it raises
 
 
-def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
+def call_each(fn, arguments, paths, timeout: float | None = None, parallel: bool = False,
+              confine: bool = True) -> list:
     """``[fn(*args) for args in arguments]`` in one round trip to the sandbox.
 
     Each call has its own timeout and counts as its own decode of ``paths[i]``
     (quarantine, statistics, the watchdog's in-flight marker). The first failure is
     raised as :func:`call` would raise it for that call alone, naming its path, which is
     also set on the exception as ``swift_safe_media_path``; the calls after it do not run.
+    With ``parallel`` the calls run at once, on threads of the sandbox (for a host that
+    decodes a sample's cameras on threads): see :func:`_call_parallel`. ``confine=False``
+    runs them in an unconfined sandbox, as :func:`call` does.
     """
     arguments, paths = [tuple(args) for args in arguments], [str(path) for path in paths]
     if len(arguments) != len(paths):
@@ -115,6 +119,8 @@ def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
     if in_sandbox():
         return [fn(*args) for args in arguments]
     timeout = config.timeout() if timeout is None else float(timeout)
+    if parallel and len(arguments) > 1:
+        return _call_parallel(fn, arguments, paths, timeout, confine)
     accounting = Accounting(fn)
     current = 0
 
@@ -129,7 +135,7 @@ def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
         for path in paths:
             accounting.check(path)
         accounting.begin(paths[0])
-        results = get_engine().run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0],
+        results = get_engine(confine).run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0],
                                    on_progress=next_call, on_start=accounting.restart_clock)
     except BaseException as exc:
         accounting.end(exc)
@@ -140,6 +146,64 @@ def call_each(fn, arguments, paths, timeout: float | None = None) -> list:
             pass
         raise
     accounting.end()
+    return results
+
+
+def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
+    """``call_each(parallel=True)``: the calls start together on threads of one sandbox, so
+    each call's own timeout runs from that start (one deadline for all). The sandbox says
+    as each call ends; a timeout or a crash is pinned on the first call still running, an
+    error on the first call (in order) that failed. Calls that overran beside the one
+    pinned count as timeouts of their own files too."""
+    accountings = [Accounting(fn) for _ in paths]
+    for accounting, path in zip(accountings, paths):
+        accounting.check(path)
+    tracker = accountings[0].tracker
+    for accounting, path in zip(accountings, paths):
+        accounting.tracker = None  # one in-flight marker for the batch, naming the call it would blame
+        accounting.begin(path)
+    pending, failed = set(range(len(paths))), []
+
+    def culprit() -> int:
+        return min(pending) if pending else min(failed)
+
+    marker = tracker.begin(paths[0], fn) if tracker is not None else ""
+
+    def ended(payload):
+        nonlocal marker
+        index, ok = payload
+        pending.discard(index)
+        if ok:
+            accountings[index].end()
+        else:
+            failed.append(index)
+        if tracker is not None and pending:
+            marker = tracker.begin(paths[culprit()], fn)  # the same file, rewritten
+        return paths[culprit()]
+
+    def started():
+        for accounting in accountings:
+            accounting.restart_clock()
+
+    try:
+        results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0],
+                                   on_progress=ended, on_start=started, restart_on_progress=False)
+    except BaseException as exc:
+        blamed = culprit() if pending or failed else 0
+        for index in sorted(pending | set(failed)):
+            if index == blamed:
+                accountings[index].end(exc)
+            elif index in pending and isinstance(exc, MediaDecodeTimeout):
+                accountings[index].end(MediaDecodeTimeout(paths[index], exc.reason, exc.elapsed))
+            else:
+                accountings[index].forget()
+        try:
+            setattr(exc, FAILED_PATH, exc.path if isinstance(exc, MediaQuarantined) else paths[blamed])
+        except AttributeError:
+            pass
+        raise
+    finally:
+        watchdog.InFlight.end(marker)
     return results
 
 

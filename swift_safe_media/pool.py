@@ -207,8 +207,12 @@ class Engine:
         return status
 
     # -- calls --------------------------------------------------------------------
-    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None, on_start=None):
-        """``on_start()`` is called once a sandbox is ready and set up, as the call itself starts."""
+    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None, on_start=None,
+            restart_on_progress: bool = True):
+        """``on_start()`` is called once a sandbox is ready and set up, as the call itself
+        starts; ``on_progress(payload)`` as the sandbox reports progress, returning the path a
+        failure from then on is pinned on (and, with ``restart_on_progress``, the timeout
+        starts again: the next call of a ``call_each`` batch has begun)."""
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._checkout()
@@ -222,7 +226,7 @@ class Engine:
         self.stats["calls"] += 1
         if on_start is not None:
             on_start()
-        return self._exchange(box, message, fd, owned, timeout, path, on_progress)
+        return self._exchange(box, message, fd, owned, timeout, path, on_progress, restart=restart_on_progress)
 
     def _set_up(self, box: SandboxHandle, path) -> None:
         """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
@@ -232,7 +236,7 @@ class Engine:
             box.setups_done += 1
 
     def _exchange(self, box: SandboxHandle, message, fd, owned, timeout: float, path, on_progress=None,
-                  keep: bool = False):
+                  keep: bool = False, restart: bool = True):
         """Send one request and return its result. The sandbox goes back to the pool
         afterwards, or stays checked out with ``keep`` and a result; one that failed
         is replaced."""
@@ -247,10 +251,11 @@ class Engine:
                 raise
             transport.send_encoded(box.conn, message, fd, owned, deadline)
             kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
-            while kind == transport.PROGRESS:  # the next call of a call_each batch starts
+            while kind == transport.PROGRESS:  # a call of a call_each batch starts (or ends)
                 path = on_progress(payload)
-                started = time.monotonic()
-                deadline = started + timeout
+                if restart:
+                    started = time.monotonic()
+                    deadline = started + timeout
                 kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
         except TimeoutError:
             self.stats["timeouts"] += 1

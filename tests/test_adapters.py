@@ -31,6 +31,7 @@ def test_patch_and_restore_in_every_order(host, order):
     done = run_python(module="tests.programs.adapter_order", args=[host, order], timeout=180)
     enabled, twice, disabled, again = json.loads(done.stdout.strip().splitlines()[-1])
     assert enabled["targets"] and all(enabled["targets"].values()), enabled
+    assert not enabled["missing"], f"targets the installed {host} lacks: {enabled['missing']}"
     assert enabled["is_patched"] and enabled["is_enabled"]
     assert twice == {**enabled, "step": "enabled twice"}, "enabling twice changes nothing"
     assert not any(disabled["targets"].values()), disabled

@@ -17,7 +17,10 @@ Each adapter module (one per host, dd-trace style) provides:
   ``loader`` should start its workers with, or None to leave it; asked as the loader
   starts its workers, before the checks of :mod:`..worker_start`;
 - optionally ``command_line_asks_for_protection()``: True when this process's command
-  line turns protection on, so the decoders are checked as the host starts importing.
+  line turns protection on, so the decoders are checked as the host starts importing;
+- optionally ``unsupported()``: why the installed version, inside ``SUPPORTED``, cannot be
+  patched (its layout is none the adapter declares), or None. Either way it is left
+  untouched as a whole, with one warning.
 
 The targets are data: a table of :class:`._patching.Target` rows (functions and methods
 alike) in a :class:`._patching.Patches`, which provides ``patch`` / ``unpatch`` /
@@ -69,11 +72,16 @@ def installed_version(distribution: str) -> str | None:
 def is_supported(adapter) -> bool:
     version = adapter.get_version()
     lowest, first_unsupported = adapter.SUPPORTED
-    if version is not None and lowest <= parse_version(version) < first_unsupported:
-        return True
-    _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version} is outside the "
-                             f"supported range {_range(adapter.SUPPORTED)}; leaving it untouched")
-    return False
+    if not (version is not None and lowest <= parse_version(version) < first_unsupported):
+        _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version} is outside the "
+                                 f"supported range {_range(adapter.SUPPORTED)}; leaving it untouched")
+        return False
+    reason = getattr(adapter, "unsupported", lambda: None)()
+    if reason:
+        _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version}: {reason}; "
+                                 f"leaving it untouched")
+        return False
+    return True
 
 
 def _range(supported) -> str:

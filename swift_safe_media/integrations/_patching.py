@@ -188,3 +188,18 @@ class Patches:
     def sites(self) -> list[tuple[str, str]]:
         """(module, attribute) pairs that now call a function's stand-in."""
         return self._functions.sites()
+
+    def missing(self) -> list[str]:
+        """Targets whose module is loaded but lacks them ('module.name'): a table that no
+        longer fits the host (tests assert there are none)."""
+        missing = []
+        for target in self.targets:
+            module = sys.modules.get(target.module)
+            if module is None:
+                continue
+            owner, _, name = target.name.rpartition(".")
+            holder = getattr(module, owner, None) if owner else module
+            if holder is None or (name not in vars(holder) if owner else not hasattr(holder, name)):
+                if not target.only_if_missing:
+                    missing.append(f"{target.module}.{target.name}")
+        return missing

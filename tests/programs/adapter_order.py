@@ -49,7 +49,7 @@ def main(host: str, order: str) -> None:
 
     def snapshot(label):
         return {"step": label, "targets": target_states(adapter), "is_patched": adapter.is_patched(),
-                "is_enabled": swift_safe_media.is_enabled()}
+                "is_enabled": swift_safe_media.is_enabled(), "missing": adapter.PATCHES.missing()}
 
     steps = []
     if order == "enable_first":
