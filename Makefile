@@ -1,6 +1,7 @@
 # `make test` and `make demo` set everything up on a fresh machine: FFmpeg's shared
 # libraries and libseccomp2 (apt), then .venv/ with the pinned test environment; `make test` also builds
-# .venv-lerobot/, LeRobot 0.4.4 with its own pins, where the real lerobot-train runs.
+# .venv-lerobot/, LeRobot 0.4.4 with its own pins, and .venv-lerobot-0.6/, LeRobot 0.6.1 with its own
+# pins on Python 3.12, where the real lerobot-train runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,9 +9,17 @@ STAMP := $(VENV)/.installed
 LEROBOT_VENV := .venv-lerobot
 LEROBOT_PY := $(LEROBOT_VENV)/bin/python
 LEROBOT_STAMP := $(LEROBOT_VENV)/.installed
+LEROBOT06_VENV := .venv-lerobot-0.6
+LEROBOT06_PY := $(LEROBOT06_VENV)/bin/python
+LEROBOT06_STAMP := $(LEROBOT06_VENV)/.installed
+# Other LeRobot releases, without their dependencies (0.6.1's serve them), each in a folder of
+# its own under the 0.6 venv: tests/test_lerobot_versions.py runs the adapter against each.
+LEROBOT_RELEASES := 0.5.0 0.5.1 0.6.0
+# A Python 3.12 for LeRobot 0.5+ (PYTHON312=/path/to/python3.12 to choose one).
+PYTHON312 ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test demo bench dist ffmpeg build-tools clean
+.PHONY: test demo bench dist ffmpeg build-tools python3.12 clean
 
 SOURCES := $(shell find swift_safe_media -name '*.py') _swift_safe_media_startup.py swift_safe_media.pth setup.py
 
@@ -37,6 +46,37 @@ $(LEROBOT_STAMP): requirements-lerobot.txt pyproject.toml $(SOURCES)
 	$(LEROBOT_PY) -m pip check
 	@touch $(LEROBOT_STAMP)
 
+# LeRobot 0.6.1's own environment on Python 3.12, exactly as pip resolves `lerobot[training]==0.6.1`,
+# with our package installed as a user installs it, and the other releases' code beside it.
+$(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES)
+	@$(MAKE) --no-print-directory ffmpeg
+	@if [ ! -x $(LEROBOT06_PY) ]; then python312="$$($(MAKE) --no-print-directory -s python3.12)" && \
+		"$$python312" -m venv $(LEROBOT06_VENV); fi
+	$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-lerobot-0.6.txt
+	$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	$(LEROBOT06_PY) -m pip check
+	@for release in $(LEROBOT_RELEASES); do [ -d $(LEROBOT06_VENV)/lerobot-releases/$$release/lerobot ] || \
+		$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+			--target $(LEROBOT06_VENV)/lerobot-releases/$$release lerobot==$$release || exit 1; done
+	@touch $(LEROBOT06_STAMP)
+
+# Prints the path of a Python 3.12: $(PYTHON312), python3.12 on PATH, pyenv's, uv's, or one
+# apt installs (Debian 13 / Ubuntu 24.04 have it); else stops, saying how to get one.
+python3.12:
+	@for candidate in "$(PYTHON312)" python3.12 \
+			$$(command -v pyenv >/dev/null && ls -d "$$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V -r) \
+			$$(command -v uv >/dev/null && uv python find 3.12 2>/dev/null); do \
+		[ -n "$$candidate" ] && "$$candidate" -c 'import sys, venv; sys.exit(sys.version_info[:2] != (3, 12))' \
+			2>/dev/null && { command -v "$$candidate"; exit 0; }; \
+	done; \
+	if command -v apt-get >/dev/null && { $(SUDO) apt-get update -qq >&2; apt-cache show python3.12-venv >/dev/null 2>&1; }; then \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq python3.12 python3.12-venv >&2 && \
+		command -v python3.12 && exit 0; \
+	fi; \
+	echo "No Python 3.12 found (LeRobot 0.5+ needs it). Install one and run make again: \
+	'pyenv install 3.12', 'uv python install 3.12', 'apt-get install python3.12 python3.12-venv' \
+	(Debian 13, Ubuntu 24.04), or point PYTHON312=/path/to/python3.12 at one." >&2; exit 1
+
 # evdev (LeRobot -> pynput) has no wheel: it builds with gcc against Python's headers.
 build-tools:
 	@if ! command -v gcc >/dev/null || ! $(PYTHON) -c "import os, sys, sysconfig; \
@@ -52,13 +92,13 @@ ffmpeg:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg libseccomp2 >/dev/null; \
 	fi
 
-test: $(STAMP) $(LEROBOT_STAMP)
+test: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
 	$(PY) -m swift_safe_media.demo
 
-bench: $(STAMP) $(LEROBOT_STAMP)
+bench: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/decoders.py
 	$(PY) bench/scan.py
@@ -66,6 +106,7 @@ bench: $(STAMP) $(LEROBOT_STAMP)
 	$(PY) bench/lerobot.py
 	$(PY) bench/lerobot_train.py
 	$(PY) bench/lerobot_train.py --policy act
+	$(PY) bench/lerobot_train.py --lerobot 0.6 --policy act --workers 4
 
 # The sdist and the wheel, as PyPI would get them, checked (tests/test_packaging.py does the same).
 dist: $(STAMP)
@@ -74,4 +115,4 @@ dist: $(STAMP)
 	$(PY) -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) $(LEROBOT_VENV) dist
+	rm -rf $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) dist

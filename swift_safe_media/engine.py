@@ -165,7 +165,7 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
     pending, failed = set(range(len(paths))), []
 
     def culprit() -> int:
-        return min(pending) if pending else min(failed)
+        return min(pending) if pending else min(failed) if failed else 0
 
     marker = tracker.begin(paths[0], fn) if tracker is not None else ""
 
@@ -189,7 +189,7 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
         results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0],
                                    on_progress=ended, on_start=started, restart_on_progress=False)
     except BaseException as exc:
-        blamed = culprit() if pending or failed else 0
+        blamed = culprit()
         for index in sorted(pending | set(failed)):
             if index == blamed:
                 accountings[index].end(exc)

@@ -15,8 +15,16 @@ CAMERA = "observation.images.front"
 SECOND_CAMERA = "observation.images.wrist"
 
 
-def build(root, episodes="6", frames="10", cameras="1", vcodec="h264"):
-    """A LeRobotDataset recorded with LeRobot's own API, one video file per episode."""
+DEPTH_CAMERA = "observation.images.depth"
+
+
+def build(root, episodes="6", frames="10", cameras="1", vcodec="h264", depth="0", file_per_episode="1"):
+    """A LeRobotDataset recorded with LeRobot's own API, one video file per episode (or,
+    with ``file_per_episode=0``, LeRobot's default: episodes share a file, which its
+    streaming dataset needs); ``depth=1`` adds a depth camera (LeRobot 0.6: 12-bit HEVC,
+    dequantized on reading)."""
+    import inspect
+
     import numpy as np
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
@@ -27,15 +35,27 @@ def build(root, episodes="6", frames="10", cameras="1", vcodec="h264"):
         "observation.state": {"dtype": "float32", "shape": (2,), "names": None},
         "action": {"dtype": "float32", "shape": (2,), "names": None},
     }
+    if int(depth):
+        features[DEPTH_CAMERA] = {"dtype": "video", "shape": (*shape[:2], 1), "names": ["height", "width", "channels"],
+                                  "info": {"is_depth_map": True}}
+    if "vcodec" in inspect.signature(LeRobotDataset.create).parameters:  # 0.4 - 0.5
+        codec = {"vcodec": vcodec}
+    else:  # 0.6: encoder settings
+        from lerobot.configs import RGBEncoderConfig
+
+        codec = {"rgb_encoder": RGBEncoderConfig(vcodec=vcodec)}
     dataset = LeRobotDataset.create("local/safe_media_test", fps=30, features=features, root=root,
-                                    use_videos=True, vcodec=vcodec)
-    # Any positive size below one episode's video starts a new file per episode.
-    dataset.meta.update_chunk_settings(video_files_size_in_mb=1e-9)
-    texture = np.random.default_rng(0).integers(0, 64, shape, dtype=np.uint8)
+                                    use_videos=True, **codec)
+    if int(file_per_episode):  # any positive size below one episode's video starts a new file per episode
+        dataset.meta.update_chunk_settings(video_files_size_in_mb=1e-9)
+    random = np.random.default_rng(0)
+    texture = random.integers(0, 64, shape, dtype=np.uint8)
     for episode in range(int(episodes)):
         for frame in range(int(frames)):
             images = {key: (texture * (number + 1) + (episode * 40 + frame * 5) % 256).astype(np.uint8)
                       for number, key in enumerate(keys)}
+            if int(depth):  # millimetres, as a depth camera gives them
+                images[DEPTH_CAMERA] = random.integers(200, 3000, (*shape[:2], 1)).astype(np.uint16)
             dataset.add_frame({**images, "observation.state": np.array([episode, frame], np.float32),
                                "action": np.zeros(2, np.float32), "task": "pick"})
         dataset.save_episode()
@@ -82,11 +102,12 @@ def slow_video(path, width="96", height="64", hidden="500000"):
     return {"frames": hidden + 10}
 
 
-def item_digests(root):
+def item_digests(root, backend="", return_uint8="0", kind="map"):
     """Every sample's camera tensors (the current frame and the one before it), hashed
     bit for bit, read in this process as a training script would. All samples are kept
     until the end, so memory recycled for a later sample while an earlier one still
-    holds it would show as a changed digest."""
+    holds it would show as a changed digest. ``kind``: ``map`` (LeRobotDataset), ``multi``
+    (MultiLeRobotDataset of it, twice) or ``streaming`` (StreamingLeRobotDataset, local)."""
     import hashlib
 
     import torch
@@ -94,18 +115,57 @@ def item_digests(root):
 
     probe = LeRobotDataset("local/safe_media_test", root=root)
     deltas = {key: [-1 / probe.fps, 0.0] for key in probe.meta.video_keys}
-    dataset = LeRobotDataset("local/safe_media_test", root=root, delta_timestamps=deltas)
-    items = [dataset[index] for index in range(len(dataset))]
+    options = {"delta_timestamps": deltas, **({"video_backend": backend} if backend else {}),
+               **({"return_uint8": True} if int(return_uint8) else {})}
+    if kind == "streaming":
+        from lerobot.datasets.streaming_dataset import StreamingLeRobotDataset
+
+        options.pop("video_backend", None)  # streaming decodes RGB with torchcodec, always
+        dataset = StreamingLeRobotDataset("local/safe_media_test", root=root, shuffle=False, buffer_size=1,
+                                          max_num_shards=1, **options)
+        items = sorted(dataset, key=lambda item: int(item["index"]))
+    elif kind == "multi":
+        dataset = _multi_dataset(root, options)
+        items = [dataset[index] for index in range(len(dataset))]
+    else:
+        dataset = LeRobotDataset("local/safe_media_test", root=root, **options)
+        items = [dataset[index] for index in range(len(dataset))]
+    depth_keys = set(getattr(probe.meta, "depth_keys", ()))
     digests = []
     for item in items:
-        for key in dataset.meta.video_keys:
+        for key in probe.meta.video_keys:
             frames = item[key]
-            assert frames.dtype == torch.float32 and frames.shape[0] == 2, (frames.dtype, frames.shape)
-            digests.append(f"{key} {tuple(frames.shape)} "
+            rgb_dtype = torch.uint8 if int(return_uint8) else torch.float32
+            assert frames.dtype == (torch.float32 if key in depth_keys else rgb_dtype), (key, frames.dtype)
+            assert frames.shape[0] == 2, (key, frames.shape)
+            digests.append(f"{key} {tuple(frames.shape)} {frames.dtype} "
                            f"{hashlib.sha256(frames.contiguous().numpy().tobytes()).hexdigest()}")
     from swift_safe_media.integrations import lerobot as adapter
 
-    return {"digests": digests, "patched": adapter.is_patched(), "keys": list(dataset.meta.video_keys)}
+    return {"digests": digests, "patched": adapter.is_patched(), "keys": list(probe.meta.video_keys),
+            "items": len(items)}
+
+
+def _multi_dataset(root, options):
+    """A MultiLeRobotDataset of the dataset at ``root`` and a copy of it (a second repo)."""
+    import shutil
+
+    try:
+        from lerobot.datasets.multi_dataset import MultiLeRobotDataset  # 0.5.1 on
+    except ImportError:
+        from lerobot.datasets.lerobot_dataset import MultiLeRobotDataset
+    copy = Path(str(root) + "-copy")
+    if not copy.exists():
+        shutil.copytree(root, copy)
+    parent = Path(root).parent
+    roots = {"local/" + Path(root).name: root, "local/" + copy.name: copy}
+    for repo_id, folder in roots.items():  # MultiLeRobotDataset finds each under root/repo_id
+        link = parent / "multi" / repo_id
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(Path(folder).resolve())
+    options = {key: value for key, value in options.items() if key != "return_uint8"}
+    return MultiLeRobotDataset(list(roots), root=parent / "multi", **options)
 
 
 def epoch(root, start_method="none", num_workers="2"):
