@@ -146,6 +146,25 @@ def item_digests(root, backend="", return_uint8="0", kind="map"):
             "items": len(items)}
 
 
+def all_digests(root, streaming_root=""):
+    """``item_digests`` of every way of reading LeRobot 0.6 offers (torchcodec and PyAV,
+    float and uint8, MultiLeRobotDataset, and StreamingLeRobotDataset over
+    ``streaming_root``), in one process; older LeRobot: the default reading only."""
+    import inspect
+
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+
+    variants = {"torchcodec": (root, "torchcodec", "0", "map")}
+    if "return_uint8" in inspect.signature(LeRobotDataset.__init__).parameters:
+        variants.update({"pyav": (root, "pyav", "0", "map"), "uint8": (root, "torchcodec", "1", "map"),
+                         "pyav_uint8": (root, "pyav", "1", "map"), "multi": (root, "", "0", "multi")})
+        if streaming_root:
+            variants["streaming_uint8"] = (streaming_root, "", "1", "streaming")
+    results = {name: item_digests(*arguments) for name, arguments in variants.items()}
+    return {"digests": {name: result["digests"] for name, result in results.items()},
+            "patched": results["torchcodec"]["patched"], "keys": results["torchcodec"]["keys"]}
+
+
 def _multi_dataset(root, options):
     """A MultiLeRobotDataset of the dataset at ``root`` and a copy of it (a second repo)."""
     import shutil
@@ -180,14 +199,28 @@ def epoch(root, start_method="none", num_workers="2"):
     started = time.monotonic()
     batches = samples = 0
     states = []
+    shape = tuple(dataset.meta.features[CAMERA]["shape"])
     for batch in loader:
-        assert batch[CAMERA].shape[1:] == (3, 48, 64), batch[CAMERA].shape
+        assert batch[CAMERA].shape[1:] == (shape[2], *shape[:2]), batch[CAMERA].shape
         batches += 1
         samples += len(batch["index"])
         states += batch["observation.state"].tolist()
         print(f"batch {batches}", flush=True)
     return {"batches": batches, "samples": samples, "expected_batches": len(loader),
             "states": states, "seconds": time.monotonic() - started}
+
+
+def stream(root):
+    """Every frame of a StreamingLeRobotDataset over the local dataset at ``root``."""
+    from lerobot.datasets.streaming_dataset import StreamingLeRobotDataset
+
+    dataset = StreamingLeRobotDataset("local/safe_media_test", root=root, shuffle=False, buffer_size=1,
+                                      max_num_shards=1)
+    frames = 0
+    for _ in dataset:
+        frames += 1
+        print(f"frame {frames}", flush=True)
+    return {"frames": frames}
 
 
 def train_loop(root, steps="20"):
