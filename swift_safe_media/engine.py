@@ -156,8 +156,12 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
     error on the first call (in order) that failed. Calls that overran beside the one
     pinned count as timeouts of their own files too."""
     accountings = [Accounting(fn) for _ in paths]
-    for accounting, path in zip(accountings, paths):
-        accounting.check(path)
+    try:
+        for accounting, path in zip(accountings, paths):
+            accounting.check(path)
+    except MediaQuarantined as exc:
+        setattr(exc, FAILED_PATH, exc.path)
+        raise
     tracker = accountings[0].tracker
     for accounting, path in zip(accountings, paths):
         accounting.tracker = None  # one in-flight marker for the batch, naming the call it would blame

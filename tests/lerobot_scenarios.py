@@ -146,16 +146,16 @@ def item_digests(root, backend="", return_uint8="0", kind="map"):
             "items": len(items)}
 
 
-def all_digests(root, streaming_root=""):
+def all_digests(root, streaming_root="", every="1"):
     """``item_digests`` of every way of reading LeRobot 0.6 offers (torchcodec and PyAV,
     float and uint8, MultiLeRobotDataset, and StreamingLeRobotDataset over
-    ``streaming_root``), in one process; older LeRobot: the default reading only."""
+    ``streaming_root``), in one process; older LeRobot, or ``every=0``: the default only."""
     import inspect
 
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     variants = {"torchcodec": (root, "torchcodec", "0", "map")}
-    if "return_uint8" in inspect.signature(LeRobotDataset.__init__).parameters:
+    if int(every) and "return_uint8" in inspect.signature(LeRobotDataset.__init__).parameters:
         variants.update({"pyav": (root, "pyav", "0", "map"), "uint8": (root, "torchcodec", "1", "map"),
                          "pyav_uint8": (root, "pyav", "1", "map"), "multi": (root, "", "0", "multi")})
         if streaming_root:

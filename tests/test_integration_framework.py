@@ -109,3 +109,23 @@ def test_startup_hook_is_installed_and_cheap():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd="/")
     assert done.stdout.split() == ["True", "False"], "install the package (make test does) for the .pth"
+
+
+def test_a_hook_added_while_its_module_still_executes_runs_again_once_it_is_done(tmp_path):
+    """A host module that imports, half-way through, what turns protection on (LeRobot's
+    training script imports its argument parser, where the flags are): the hook runs at
+    once on what is defined so far, and again when the module is done; the module keeps
+    a plain spec."""
+    package = tmp_path / "latehost"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "script.py").write_text("import latehost.parser\n\ndef defined_late():\n    return 'stock'\n")
+    (package / "parser.py").write_text(textwrap.dedent("""
+        from swift_safe_media.integrations import _imports
+        seen = []
+        _imports.when_imported("latehost.script", lambda module: seen.append(hasattr(module, "defined_late")))
+    """))
+    code = ("import importlib.machinery, latehost.script, latehost.parser;"
+            "print(latehost.parser.seen, type(latehost.script.__spec__) is importlib.machinery.ModuleSpec)")
+    done = run_python(code=code, env=clean_environment(pythonpath=[str(tmp_path), ROOT]))
+    assert done.stdout.split() == ["[False,", "True]", "True"]

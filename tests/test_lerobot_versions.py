@@ -53,16 +53,18 @@ def environment(release: str, extra: dict | None = None) -> dict:
     """A case's environment: LeRobot ``release`` (its code before 0.6.1's), no settings of ours."""
     env = clean_environment({**OFFLINE, **(extra or {})})
     if release != "0.6.1":
-        env["PYTHONPATH"] = str(RELEASES / release)
+        env["PYTHONPATH"] = str(RELEASES / release) if release in LAYOUT_OF else release
     else:
         env.pop("PYTHONPATH", None)
     return env
 
 
 def run(release: str, *args, env=None, bound: float = 300) -> tuple[int | None, dict | None, str]:
-    """``python -m ARGS`` in the 0.6 environment with LeRobot ``release``: (exit code,
-    the JSON of its last line, stderr); killed with its process group after ``bound``."""
-    process = subprocess.Popen([str(PYTHON), "-m", *map(str, args)], cwd=REPO, env=environment(release, env),
+    """``python -m ARGS`` (or ``python -c CODE``) in the 0.6 environment with LeRobot
+    ``release`` (a release's name, or a folder holding a LeRobot): (exit code, the JSON
+    of its last line, stderr); killed with its process group after ``bound``."""
+    program = list(map(str, args)) if args[0] == "-c" else ["-m", *map(str, args)]
+    process = subprocess.Popen([str(PYTHON), *program], cwd=REPO, env=environment(release, env),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=bound)
@@ -110,21 +112,49 @@ def test_each_release_gets_its_layout_every_target_patched_and_restored(release,
     assert "leaving it untouched" not in stderr and "could not patch" not in stderr, stderr[-3000:]
 
 
+UNKNOWN = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING)
+import lerobot.datasets.lerobot_dataset, lerobot.datasets.dataset_reader as reader, lerobot.datasets.video_utils as video
+from swift_safe_media.integrations import _patching, lerobot as adapter
+print(json.dumps({"is_patched": adapter.is_patched(), "decode": _patching.original_of(video.decode_video_frames) is not None,
+                  "getitem": _patching.original_of(lerobot.datasets.lerobot_dataset.LeRobotDataset.__getitem__) is not None}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_lerobot_of_no_known_layout_gets_one_warning_and_no_patch(tmp_path):
+    """LeRobot 0.6.0's code with ``DatasetReader._query_videos`` renamed, as a release that
+    moved it would be: inside the supported versions, but no layout matches. Nothing is
+    patched, not even what still matches (the decode function), and one warning says what
+    is missing."""
+    shutil.copytree(RELEASES / "0.6.0", tmp_path / "moved")
+    reader = tmp_path / "moved" / "lerobot" / "datasets" / "dataset_reader.py"
+    reader.write_text(reader.read_text().replace("_query_videos(", "_decode_videos("))
+    code, state, stderr = run(str(tmp_path / "moved"), "-c", UNKNOWN, env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0, stderr[-3000:]
+    assert state == {"is_patched": False, "decode": False, "getitem": False}
+    warnings = [line for line in stderr.splitlines() if "leaving it untouched" in line]
+    assert len(warnings) == 1 and "lerobot 0.6.0: no known layout" in warnings[0], stderr[-3000:]
+    assert "dataset_reader.DatasetReader._query_videos" in warnings[0]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("release", ["0.6.1", "0.6.0", "0.5.1", "0.5.0"])
 def test_frames_are_bit_identical_to_stock_in_every_way_of_reading(release, datasets):
     root = datasets["rgb" if release.startswith("0.5") else "per_episode"]
-    args = ("tests.lerobot_scenarios", "all_digests", root, datasets["one_file"])
+    # 0.6.0 reads as 0.6.1 does (the same video_utils and dataset_reader): its default way only.
+    args = ("tests.lerobot_scenarios", "all_digests", root, datasets["one_file"], int(release == "0.6.1"))
     code, stock, stderr = run(release, *args, env={"SWIFT_SAFE_MEDIA": "0"})
     assert code == 0 and not stock["patched"], stderr[-3000:]
     code, ours, stderr = run(release, *args, env={"SWIFT_SAFE_MEDIA": "1"})
     assert code == 0 and ours["patched"], stderr[-3000:]
-    expected = {"torchcodec"} if release.startswith("0.5") else \
+    expected = {"torchcodec"} if release != "0.6.1" else \
         {"torchcodec", "pyav", "uint8", "pyav_uint8", "multi", "streaming_uint8"}
     assert set(ours["digests"]) == expected
     for variant, digests in stock["digests"].items():
         assert digests and ours["digests"][variant] == digests, variant
-    if not release.startswith("0.5"):
+    if release == "0.6.1":
         assert DEPTH in ours["keys"]
         depth = [line for line in ours["digests"]["torchcodec"] if line.startswith(DEPTH)]
         assert depth and all("torch.float32" in line for line in depth)  # dequantized, as stock
@@ -178,5 +208,5 @@ def test_a_stream_whose_file_hangs_stops_naming_it(datasets, tmp_path):
     assert code not in (0, None), stderr[-3000:]
     path = root / "videos" / WRIST / "chunk-000" / "file-000.mp4"
     assert "ErrorBudgetExceeded" in stderr and f"file {path}) failed" in stderr, stderr[-3000:]
-    code, _, stderr = run("0.6.1", "tests.lerobot_scenarios", "stream", root, env={"SWIFT_SAFE_MEDIA": "0"}, bound=45)
+    code, _, stderr = run("0.6.1", "tests.lerobot_scenarios", "stream", root, env={"SWIFT_SAFE_MEDIA": "0"}, bound=30)
     assert code is None, f"stock streaming ended (exit {code}): {stderr[-2000:]}"

@@ -4,6 +4,7 @@ importer continues, so names copied with ``from x import y`` are already patched
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import logging
 import sys
 import threading
@@ -24,6 +25,7 @@ def when_imported(module_name: str, callback) -> None:
     module = sys.modules.get(module_name)
     if module is not None:
         _run(callback, module)
+        _again_when_executed(module)
 
 
 def clear(module_name: str | None = None) -> None:
@@ -49,6 +51,26 @@ def _fire(module) -> None:
         callbacks = list(_callbacks.get(module.__name__, ()))
     for callback in callbacks:
         _run(callback, module)
+
+
+class _SpecNoticingTheEnd(importlib.machinery.ModuleSpec):
+    """The spec of a module that was still executing when a hook was added for it (it
+    imported, say, what turned protection on): the import system marks its end by
+    setting ``_initializing`` to False, and the hooks run again then, on the whole module."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "_initializing" and not value:
+            self.__class__ = importlib.machinery.ModuleSpec
+            module = sys.modules.get(self.name)
+            if module is not None:
+                _fire(module)
+
+
+def _again_when_executed(module) -> None:
+    spec = getattr(module, "__spec__", None)
+    if getattr(spec, "_initializing", False) and type(spec) is importlib.machinery.ModuleSpec:
+        spec.__class__ = _SpecNoticingTheEnd
 
 
 class _HookedLoader(importlib.abc.Loader):
