@@ -2,15 +2,20 @@
 
 A clean dataset recorded with LeRobot's own API (2 AV1 cameras, 8 episodes of 10 frames),
 ACT on the CPU (torch on one thread; tiny, or at LeRobot's own size with ``--policy act``),
-20 steps, 2 DataLoader workers (``--workers``), run from LeRobot's own environment
-(``.venv-lerobot/``, built by ``make test``). Rounds alternate which side goes first, so
-both see the same load. Per run: wall time of the whole command, and the first batch's
-wait (LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,
-which is where spawn costs), and the peak PSS of its whole process tree (trainer, workers,
-forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline.py`` does).
-Prints medians, their ratio, and the spread over rounds.
+20 steps, 2 DataLoader workers (``--workers``), run from LeRobot's own environment:
+``--lerobot 0.4`` (``.venv-lerobot/``) or ``--lerobot 0.6`` (``.venv-lerobot-0.6/``,
+LeRobot 0.6.1), both built by ``make test``. The sides: stock and ours on 0.4 (stock
+forks); on 0.6, stock with LeRobot's own default start method (spawn), stock with
+``--dataloader_multiprocessing_context=fork``, and ours (LeRobot's default, which
+protection replaces with the warm forkserver). Rounds rotate which side goes first, so
+all see the same load. Per run: wall time of the whole command, the first batch's wait
+(LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,
+which is where spawn costs), the steady samples/s after it (LeRobot's per-step
+``updt_s + data_s``, steps 2 on), and the peak PSS of its whole process tree (trainer,
+workers, forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline.py``
+does). Prints medians, their ratios, and the spread over rounds, with the load average.
 
-    python bench/lerobot_train.py [--rounds 3] [--steps 20] [--policy tiny|act] [--workers 2]
+    python bench/lerobot_train.py [--lerobot 0.4|0.6] [--rounds 3] [--steps 20] [--policy tiny|act] [--workers 2]
 """
 
 import argparse
@@ -23,7 +28,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-LEROBOT_VENV = REPO / ".venv-lerobot"
+VENVS = {"0.4": REPO / ".venv-lerobot", "0.6": REPO / ".venv-lerobot-0.6"}
+LEROBOT_VENV = VENVS["0.4"]
+# Each side: (the extra arguments, whether protected).
+SIDES = {"0.4": {"stock": ([], False), "ours": ([], True)},
+         "0.6": {"stock-spawn": ([], False), "stock-fork": (["--dataloader_multiprocessing_context=fork"], False),
+                 "ours": ([], True)}}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "TQDM_DISABLE": "1"}
 THREADS = {"OMP_NUM_THREADS": "1"}  # the trainer's torch: one thread, both sides alike
 
@@ -56,15 +66,20 @@ POLICIES = {
 }
 
 
-def train(root: Path, output_dir: Path, steps: int, protected: bool,
-          policy: str = "tiny", workers: int = 2) -> tuple[float, float, float, str]:
-    """(wall seconds, first batch's wait in seconds, peak PSS in MB, where it was) of one
-    lerobot-train run."""
-    command = [str(LEROBOT_VENV / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
+BATCH = 4
+
+
+def train(root: Path, output_dir: Path, steps: int, side: tuple, policy: str = "tiny", workers: int = 2,
+          lerobot: str = "0.4") -> tuple[float, float, float, float, str]:
+    """(wall seconds, first batch's wait in seconds, steady samples/s, peak PSS in MB,
+    where it was) of one lerobot-train run."""
+    extra, protected = side
+    no_env_eval = "--env_eval_freq=0" if lerobot == "0.6" else "--eval_freq=0"
+    command = [str(VENVS[lerobot] / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
                f"--dataset.root={root}", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
-               "--policy.pretrained_backbone_weights=null", *POLICIES[policy], "--batch_size=4", f"--num_workers={workers}",
-               f"--steps={steps}", "--log_freq=1", "--save_checkpoint=false", "--eval_freq=0",
-               "--wandb.enable=false", f"--output_dir={output_dir}"]
+               "--policy.pretrained_backbone_weights=null", *POLICIES[policy], f"--batch_size={BATCH}",
+               f"--num_workers={workers}", f"--steps={steps}", "--log_freq=1", "--save_checkpoint=false", no_env_eval,
+               "--wandb.enable=false", f"--output_dir={output_dir}", *extra]
     env = {name: value for name, value in os.environ.items() if not name.startswith("SWIFT_SAFE_MEDIA")}
     env.update(OFFLINE, **THREADS)
     if protected:
@@ -76,48 +91,64 @@ def train(root: Path, output_dir: Path, steps: int, protected: bool,
     if returncode != 0 or f"step:{steps} " not in output:
         sys.exit(f"lerobot-train failed ({'ours' if protected else 'stock'}):\n{output[-3000:]}")
     first = re.search(r"step:1 .*?data_s:([0-9.]+)", output)
-    return wall, float(first.group(1)), memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
+    later = [float(update) + float(data) for step, update, data in
+             re.findall(r"step:(\d+) .*?updt_s:([0-9.]+) data_s:([0-9.]+)", output) if int(step) > 1]
+    steady = BATCH * len(later) / sum(later)
+    return wall, float(first.group(1)), steady, memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
 
 
 def spread(values) -> str:
     return f"{min(values):.1f}-{max(values):.1f}"
 
 
+def load() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
 def main():
+    global LEROBOT_VENV
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lerobot", choices=sorted(VENVS), default="0.4", help="which LeRobot (its own venv)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--policy", choices=sorted(POLICIES), default="tiny",
                         help="ACT's size: tiny (the trainer holds almost nothing) or act (LeRobot's defaults)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (LeRobot's default: 4)")
     args = parser.parse_args()
+    LEROBOT_VENV = VENVS[args.lerobot]
     if not (LEROBOT_VENV / "bin" / "lerobot-train").exists():
         sys.exit(f"{LEROBOT_VENV} is missing: `make test` builds it")
+    sides = SIDES[args.lerobot]
+    names = list(sides)
+    print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-lerobot-train-") as folder:
         root = Path(folder) / "dataset"
         build_dataset(root)
-        results = {False: [], True: []}
+        results = {name: [] for name in names}
         for number in range(args.rounds):
-            for protected in ((False, True) if number % 2 == 0 else (True, False)):
-                output_dir = Path(folder) / f"out-{number}-{int(protected)}"
-                results[protected].append(train(root, output_dir, args.steps, protected, args.policy, args.workers))
-                wall, first, peak, where = results[protected][-1]
-                print(f"round {number + 1} {'ours ' if protected else 'stock'}: wall {wall:.1f} s, "
-                      f"first batch {first:.1f} s, peak PSS {peak:.0f} MB\n    PSS at the peak, MB: {where}",
-                      flush=True)
-    stock_wall, ours_wall = ([run[0] for run in results[side]] for side in (False, True))
-    stock_first, ours_first = ([run[1] for run in results[side]] for side in (False, True))
-    stock_peak, ours_peak = ([run[2] for run in results[side]] for side in (False, True))
-    print(f"lerobot-train, {args.policy} ACT, {args.steps} steps, {args.workers} workers, {args.rounds} alternating rounds (medians, spread):")
-    print(f"  wall time   ours/stock {statistics.median(ours_wall) / statistics.median(stock_wall):.2f}x "
-          f"({statistics.median(ours_wall):.1f} s [{spread(ours_wall)}] vs "
-          f"{statistics.median(stock_wall):.1f} s [{spread(stock_wall)}])")
-    print(f"  first batch ours-stock {statistics.median(ours_first) - statistics.median(stock_first):+.1f} s "
-          f"({statistics.median(ours_first):.1f} s [{spread(ours_first)}] vs "
-          f"{statistics.median(stock_first):.1f} s [{spread(stock_first)}])")
-    print(f"  peak PSS    ours/stock {statistics.median(ours_peak) / statistics.median(stock_peak):.2f}x "
-          f"({statistics.median(ours_peak):.0f} MB [{spread(ours_peak)}] vs "
-          f"{statistics.median(stock_peak):.0f} MB [{spread(stock_peak)}])")
+            for name in names[number % len(names):] + names[:number % len(names)]:  # rotated each round
+                output_dir = Path(folder) / f"out-{number}-{name}"
+                results[name].append(train(root, output_dir, args.steps, sides[name], args.policy, args.workers,
+                                           args.lerobot))
+                wall, first, steady, peak, where = results[name][-1]
+                print(f"round {number + 1} {name}: wall {wall:.1f} s, first batch {first:.1f} s, "
+                      f"steady {steady:.1f} samples/s, peak PSS {peak:.0f} MB, load {load()}\n"
+                      f"    PSS at the peak, MB: {where}", flush=True)
+    print(f"lerobot-train {args.lerobot}, {args.policy} ACT, {args.steps} steps, {args.workers} workers, "
+          f"{args.rounds} rotating rounds (medians [spread]); load average after: {load()}")
+    median = {name: [statistics.median(run[index] for run in results[name]) for index in range(4)] for name in names}
+    for name in names:
+        wall, first, steady, peak = median[name]
+        runs = results[name]
+        print(f"  {name:12s} wall {wall:6.1f} s [{spread([r[0] for r in runs])}]  first batch {first:5.1f} s "
+              f"[{spread([r[1] for r in runs])}]  steady {steady:5.1f} samples/s [{spread([r[2] for r in runs])}]  "
+              f"peak PSS {peak:5.0f} MB [{spread([r[3] for r in runs])}]")
+    for name in names:
+        if name == "ours":
+            continue
+        ours, stock = median["ours"], median[name]
+        print(f"  ours/{name}: wall {ours[0] / stock[0]:.2f}x, first batch {ours[1] / stock[1]:.2f}x, "
+              f"steady {ours[2] / stock[2]:.2f}x, peak PSS {ours[3] / stock[3]:.2f}x")
 
 
 if __name__ == "__main__":

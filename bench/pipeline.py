@@ -88,13 +88,21 @@ def _bench_lerobot():
     return module
 
 
-def build_lerobot_inputs(work: Path, seconds: int) -> dict:
-    root = work / f"lerobot_{seconds}s"
+def build_lerobot_inputs(work: Path, seconds: int, python: str = sys.executable) -> dict:
+    """The episode, recorded with the LeRobot of ``python`` (its own API and encoder)."""
+    tag = "" if python == sys.executable else "_" + subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('lerobot'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    root = work / f"lerobot_{seconds}s{tag}"
     if not (root / "meta" / "info.json").exists():
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
-        _bench_lerobot().record_episode(root, seconds)
+        if python == sys.executable:
+            _bench_lerobot().record_episode(root, seconds)
+        else:
+            subprocess.run([python, __file__, "--record-lerobot", str(root), str(seconds)], check=True,
+                           env={**os.environ, "SWIFT_SAFE_MEDIA": "0"})
     return {"root": str(root)}
 
 
@@ -210,6 +218,8 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
         command += ["--context", context]
     if args.breakdown_dir:
         command += ["--breakdown-dir", args.breakdown_dir]
+    if pipeline == "lerobot":
+        command[0] = args.lerobot_python
     returncode, text, _, memory = run_measured(command, env, ROOT, timeout)
     results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
     if returncode != 0 or not results:
@@ -282,10 +292,17 @@ def child_lerobot(args, inputs: dict) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset
-    from lerobot.datasets.utils import cycle
+    import inspect
 
-    dataset = LeRobotDataset(_bench_lerobot().REPO_ID, root=inputs["root"])
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset
+    try:
+        from lerobot.utils.utils import cycle  # LeRobot 0.6
+    except ImportError:
+        from lerobot.datasets.utils import cycle
+
+    # As lerobot-train makes it: LeRobot 0.6's gives uint8 frames, converted on the trainer's side.
+    uint8 = "return_uint8" in inspect.signature(LeRobotDataset.__init__).parameters
+    dataset = LeRobotDataset(_bench_lerobot().REPO_ID, root=inputs["root"], **({"return_uint8": True} if uint8 else {}))
     # lerobot-train makes (or loads) its policy between parsing its arguments, where
     # protection starts, and its first batch; this pipeline alone has no model to load.
     time.sleep(args.lerobot_setup_seconds)
@@ -466,6 +483,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating stock/protected rounds")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--only", choices=("swift", "lerobot"))
+    parser.add_argument("--lerobot-python", default=sys.executable,
+                        help="the interpreter of the LeRobot side, e.g. .venv-lerobot-0.6/bin/python (LeRobot 0.6.1; "
+                             "with --stock-context spawn, its own default)")
+    parser.add_argument("--record-lerobot", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--lerobot-batches", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=8, help="LeRobot samples per batch")
     parser.add_argument("--lerobot-seconds", type=int, default=10, help="length of the recorded episode")
@@ -490,6 +511,9 @@ def main() -> None:
     parser.add_argument("--breakdown-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.record_lerobot:
+        _bench_lerobot().record_episode(Path(args.record_lerobot[0]), int(args.record_lerobot[1]))
+        return
     if args.child:
         if args.breakdown_dir:
             os.environ["BENCH_BREAKDOWN_DIR"] = args.breakdown_dir
@@ -511,7 +535,7 @@ def main() -> None:
                           f"LazyLLMDataset + template.data_collator, Qwen2.5-Omni, USE_AUDIO_IN_VIDEO=1, "
                           f"{args.rows} rows of 480p/720p h264+aac 8-12 s, batch size 1"))
     if args.only in (None, "lerobot"):
-        pipelines.append(("lerobot", build_lerobot_inputs(work, args.lerobot_seconds),
+        pipelines.append(("lerobot", build_lerobot_inputs(work, args.lerobot_seconds, args.lerobot_python),
                           f"LeRobotDataset, 2 cameras 640x480 AV1, shuffled, batch size {args.batch_size}, "
                           f"{args.lerobot_batches} batches through cycle()"
                           + (f", {args.lerobot_setup_seconds:g} s between dataset and first batch"
