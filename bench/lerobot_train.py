@@ -10,8 +10,8 @@ forks); on 0.6, stock with LeRobot's own default start method (spawn), stock wit
 protection replaces with the warm forkserver). Rounds rotate which side goes first, so
 all see the same load. Per run: wall time of the whole command, the first batch's wait
 (LeRobot's own ``data_s`` at step 1 with ``--log_freq=1``: worker start-up included,
-which is where spawn costs), the steady samples/s after it (LeRobot's per-step
-``updt_s + data_s``, steps 2 on), and the peak PSS of its whole process tree (trainer,
+which is where spawn costs), the steady samples/s (LeRobot's per-step ``updt_s +
+data_s`` over the second half of the steps, once every process has started), and the peak PSS of its whole process tree (trainer,
 workers, forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline.py``
 does). Prints medians, their ratios, and the spread over rounds, with the load average.
 
@@ -91,8 +91,10 @@ def train(root: Path, output_dir: Path, steps: int, side: tuple, policy: str = "
     if returncode != 0 or f"step:{steps} " not in output:
         sys.exit(f"lerobot-train failed ({'ours' if protected else 'stock'}):\n{output[-3000:]}")
     first = re.search(r"step:1 .*?data_s:([0-9.]+)", output)
+    # Steady: the second half of the steps, once every process has started (the warm
+    # forkserver's imports, the zygote and the sandboxes run beside the first steps).
     later = [float(update) + float(data) for step, update, data in
-             re.findall(r"step:(\d+) .*?updt_s:([0-9.]+) data_s:([0-9.]+)", output) if int(step) > 1]
+             re.findall(r"step:(\d+) .*?updt_s:([0-9.]+) data_s:([0-9.]+)", output) if int(step) > steps // 2]
     steady = BATCH * len(later) / sum(later)
     return wall, float(first.group(1)), steady, memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
 
