@@ -210,6 +210,33 @@ def epoch(root, start_method="none", num_workers="2"):
             "states": states, "seconds": time.monotonic() - started}
 
 
+def remote_frames(root):
+    """A camera's frames read over HTTP (a local server, as a dataset streamed from the Hub is
+    read) and from the file itself, both through protection's decode: equal, and the remote
+    one from an unconfined sandbox (a confined one has no network)."""
+    import functools
+    import http.server
+    import threading
+
+    import swift_safe_media
+    from swift_safe_media.engine import get_engine
+    from swift_safe_media.integrations import lerobot_decode
+
+    swift_safe_media.enable(hosts=["lerobot"])
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    relative = f"videos/{CAMERA}/chunk-000/file-000.mp4"
+    url = f"http://127.0.0.1:{server.server_address[1]}/{relative}"
+    timestamps = [0.0, 1 / 30]
+    (remote,) = lerobot_decode.decode_in_sandbox([(url, timestamps, 1e-4, "torchcodec", True, False)])
+    (local,) = lerobot_decode.decode_in_sandbox([(Path(root) / relative, timestamps, 1e-4, "torchcodec", True, False)])
+    server.shutdown()
+    return {"equal": bool((remote == local).all()), "shape": list(remote.shape),
+            "unconfined_calls": get_engine(False).stats["calls"], "confined_calls": get_engine(True).stats["calls"]}
+
+
 def stream(root):
     """Every frame of a StreamingLeRobotDataset over the local dataset at ``root``."""
     from lerobot.datasets.streaming_dataset import StreamingLeRobotDataset

@@ -92,3 +92,37 @@ def test_latency_counts_the_call_not_the_sandbox_start(fresh_engine, tmp_path, m
     call(sandboxed.add, 1, 2)  # starts the zygote and a sandbox: seconds
     counts = summary.collect()
     assert counts["ok"] == 1 and counts["latency_p99_s"] < 0.5, counts
+
+
+def test_parallel_calls_run_at_once_each_under_its_own_timeout():
+    # 3 x 0.6 s under a 1 s timeout: at once, in well under the 1.8 s they take in turn.
+    call_each(sandboxed.echo, [(0,)], ["/warm"])  # the sandbox is up
+    started = time.monotonic()
+    results = call_each(sandboxed.sleep_then_return, [(0.6, index) for index in range(3)],
+                        ["/a", "/b", "/c"], timeout=1.0, parallel=True)
+    assert results == [0, 1, 2] and time.monotonic() - started < 1.5
+
+
+def test_a_parallel_error_names_the_first_call_that_failed():
+    paths = ["/data/a.mp4", "/data/b.mp4", "/data/c.mp4"]
+    with pytest.raises(ValueError, match="cannot decode /data/b.mp4") as caught:
+        call_each(sandboxed.fail_on, [(path, paths[1]) for path in paths], paths, parallel=True)
+    assert getattr(caught.value, FAILED_PATH) == paths[1]
+
+
+def test_a_parallel_hang_is_pinned_on_its_own_file(tmp_path, monkeypatch):
+    """A hang that holds the GIL stops the calls beside it too: which one hung is found by
+    running the batch again in turn; only that file is quarantined."""
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_QUARANTINE", str(tmp_path / "quarantine.jsonl"))
+    paths = [str(tmp_path / name) for name in ("good.mp4", "hangs.mp4", "other.mp4")]
+    for path in paths:
+        open(path, "wb").close()
+    started = time.monotonic()
+    with pytest.raises(MediaDecodeTimeout) as caught:
+        call_each(sandboxed.hang_on, [(path, paths[1]) for path in paths], paths, timeout=1.0, parallel=True)
+    assert caught.value.path == paths[1] and getattr(caught.value, FAILED_PATH) == paths[1]
+    assert time.monotonic() - started < 2 * (1.0 + SLACK) + 1.0
+    assert call_each(sandboxed.echo, [(paths[0],), (paths[2],)], [paths[0], paths[2]], parallel=True) == \
+        [paths[0], paths[2]]
+    with pytest.raises(MediaQuarantined):
+        call_each(sandboxed.echo, [(paths[1],)], [paths[1]])

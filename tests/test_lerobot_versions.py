@@ -210,3 +210,13 @@ def test_a_stream_whose_file_hangs_stops_naming_it(datasets, tmp_path):
     assert "ErrorBudgetExceeded" in stderr and f"file {path}) failed" in stderr, stderr[-3000:]
     code, _, stderr = run("0.6.1", "tests.lerobot_scenarios", "stream", root, env={"SWIFT_SAFE_MEDIA": "0"}, bound=30)
     assert code is None, f"stock streaming ended (exit {code}): {stderr[-2000:]}"
+
+
+@pytest.mark.timeout(300)
+def test_a_remote_video_is_decoded_in_an_unconfined_sandbox_with_the_same_frames(datasets):
+    """A dataset streamed from the Hub is read over the network, which a confined sandbox
+    refuses: its videos go to an unconfined one, still bounded (here over a local HTTP server)."""
+    code, result, stderr = run("0.6.1", "tests.lerobot_scenarios", "remote_frames", datasets["one_file"],
+                               env={"SWIFT_SAFE_MEDIA": "1"})
+    assert code == 0, stderr[-3000:]
+    assert result == {"equal": True, "shape": [2, 3, 64, 96], "unconfined_calls": 1, "confined_calls": 1}, result
