@@ -102,6 +102,9 @@ def child(side: str, root: str, samples: int, seed: int, seconds: int) -> dict:
         # stay, LeRobot's own functions are back, and ours are called by name.
         swift_safe_media.enable(hosts=["lerobot"])
         swift_safe_media.disable()
+        from swift_safe_media import engine
+
+        engine.set_up_sandboxes(lerobot_decode.import_lerobot_in_sandbox)  # the sandbox's setup, as patch() makes it
         if side == "ours-in-turn":  # one round trip, the cameras one after the other
             layout = dataclasses.replace(lerobot_layouts.installed(), cameras_on_threads=False)
             lerobot_layouts.installed = lambda: layout

@@ -17,7 +17,7 @@ import os
 
 from . import config, sandbox, watchdog
 from .accounting import Accounting
-from .errors import MediaDecodeTimeout, MediaQuarantined
+from .errors import MediaDecodeCrash, MediaDecodeTimeout, MediaQuarantined
 from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setup, get_engine,
                    set_up_sandboxes, shutdown)
 from .sandbox import in_sandbox, mark_in_sandbox
@@ -152,9 +152,10 @@ def call_each(fn, arguments, paths, timeout: float | None = None, parallel: bool
 def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
     """``call_each(parallel=True)``: the calls start together on threads of one sandbox, so
     each call's own timeout runs from that start (one deadline for all). The sandbox says
-    as each call ends; a timeout or a crash is pinned on the first call still running, an
-    error on the first call (in order) that failed. Calls that overran beside the one
-    pinned count as timeouts of their own files too."""
+    as each call ends; an error is pinned on the first call (in order) that failed, a
+    timeout or a crash on the one call still running. With several still running, which
+    one hung (a hang holding the GIL stops the others too) or crashed is not known: the
+    batch runs again one call after another, which pins it on its own file."""
     accountings = [Accounting(fn) for _ in paths]
     try:
         for accounting, path in zip(accountings, paths):
@@ -193,12 +194,15 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
         results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0],
                                    on_progress=ended, on_start=started, restart_on_progress=False)
     except BaseException as exc:
+        if isinstance(exc, (MediaDecodeTimeout, MediaDecodeCrash)) and len(pending) > 1:
+            for index in pending | set(failed):
+                accountings[index].forget()
+            watchdog.InFlight.end(marker)
+            return call_each(fn, arguments, paths, timeout, confine=confine)
         blamed = culprit()
         for index in sorted(pending | set(failed)):
             if index == blamed:
                 accountings[index].end(exc)
-            elif index in pending and isinstance(exc, MediaDecodeTimeout):
-                accountings[index].end(MediaDecodeTimeout(paths[index], exc.reason, exc.elapsed))
             else:
                 accountings[index].forget()
         try:
