@@ -306,8 +306,11 @@ def child_lerobot(args, inputs: dict) -> dict:
     # lerobot-train makes (or loads) its policy between parsing its arguments, where
     # protection starts, and its first batch; this pipeline alone has no model to load.
     time.sleep(args.lerobot_setup_seconds)
+    # LeRobot 0.6's lerobot-train keeps its workers across epochs and prefetches 4 batches each.
+    workers_as_lerobot_train = {"persistent_workers": True, "prefetch_factor": 4} if uint8 and args.workers else {}
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(0), drop_last=True, **_context(args))
+                        generator=torch.Generator().manual_seed(0), drop_last=True, **_context(args),
+                        **workers_as_lerobot_train)
     batches = cycle(loader)  # how lerobot-train draws batches (and where protection picks the start method)
     result = _timed_batches(batches, args.lerobot_batches, None)  # its workers start at the first next()
     result["samples_per_batch"] = args.batch_size
