@@ -25,7 +25,8 @@ import time
 
 from . import config, confine, process, transport
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
-from .zygote import SandboxHandle, Zygote, shared_address
+from .shared_zygote import shared_address
+from .zygote import SandboxHandle, Zygote
 
 log = logging.getLogger("swift_safe_media")
 
@@ -150,7 +151,7 @@ class Engine:
         return box
 
     def _open_zygote(self) -> Zygote:
-        """The rank's shared zygote when there is one (see :class:`~.zygote.SharedZygote`),
+        """The rank's shared zygote when there is one (see :class:`~.shared_zygote.SharedZygote`),
         else a zygote of this process's own."""
         address = None if self._shared_failed else shared_address(self.confined)
         if address is not None:

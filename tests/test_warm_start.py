@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from swift_safe_media import config, zygote
+from swift_safe_media import config, shared_zygote, zygote
 
 from .fresh import clean_environment, run_python
 
@@ -159,7 +159,7 @@ def test_a_callers_sandboxes_die_with_its_connection(monkeypatch):
     """A worker that dies (its connection closes) takes its sandboxes with it; other
     callers of the same zygote keep theirs; the owner's exit ends everything."""
     monkeypatch.setenv(config.PRELOAD, "numpy")
-    owner = zygote.SharedZygote(confined=True)
+    owner = shared_zygote.SharedZygote(confined=True)
     try:
         owner.start()
         assert owner.ready.wait(60) and owner.problem is None
@@ -185,14 +185,14 @@ def test_a_callers_sandboxes_die_with_its_connection(monkeypatch):
 
 def test_only_the_owners_user_may_connect(tmp_path):
     """The socket lives in a folder only its owner may enter."""
-    owner = zygote.SharedZygote(confined=True)
+    owner = shared_zygote.SharedZygote(confined=True)
     try:
         assert os.stat(owner.folder).st_mode & 0o777 == 0o700
-        assert zygote.shared_address(True) == owner.address
-        assert zygote.shared_address(False) is None
+        assert shared_zygote.shared_address(True) == owner.address
+        assert shared_zygote.shared_address(False) is None
     finally:
         owner.close()
-    assert zygote.shared_address(True) is None
+    assert shared_zygote.shared_address(True) is None
     with pytest.raises(OSError):
         zygote.Zygote.connect(owner.address)
 
