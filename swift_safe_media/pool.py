@@ -134,7 +134,7 @@ class Engine:
                     self._drop_zygote()
                     self._zygote = self._open_zygote()
                 try:
-                    box = self._zygote.spawn(config.max_memory_mb(), deadline)
+                    box = self._zygote.spawn(config.max_memory_mb(), deadline, self.confined)
                     break
                 except (OSError, EOFError) as exc:
                     shared = self._zygote.process is None

@@ -137,9 +137,12 @@ def _running(child) -> bool:
 
 
 def shared_address(confined: bool) -> str | None:
-    """The socket of this rank's shared zygote for sandboxes of this kind, if there is one."""
+    """The socket of this rank's shared zygote for sandboxes of this kind, if there is one:
+    a zygote that confines its sandboxes also forks unconfined ones on request (the
+    confinement is applied in each sandbox, not in the zygote); one that confines none
+    serves no confined sandbox."""
     value = config.get(config.ZYGOTE)
     if not value:
         return None
     kind, _, address = value.partition(":")
-    return address if kind == ("confined" if confined else "unconfined") else None
+    return address if kind == "confined" or not confined else None

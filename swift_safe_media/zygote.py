@@ -35,9 +35,11 @@ from . import process, run_folders, sandbox, transport, zygote_start
 log = logging.getLogger("swift_safe_media")
 
 # -- the wire -------------------------------------------------------------------------
-SPAWN, REAP, LEFTOVERS = b"S", b"R", b"L"
+SPAWN, SPAWN_UNCONFINED, REAP, LEFTOVERS = b"S", b"U", b"R", b"L"
 # op, memory cap in MB (SPAWN) or pid (REAP), then that many bytes of JSON: SPAWN, the
-# caller's environment, which the new sandbox takes as its own; LEFTOVERS (from the
+# caller's environment, which the new sandbox takes as its own (SPAWN_UNCONFINED: a
+# sandbox left unconfined, for a download, from a zygote that confines the others, so a
+# rank's one zygote serves both kinds); LEFTOVERS (from the
 # owner of the control connection only), its temporary folders, for the zygote to
 # remove if the owner dies (the list replaces the last one; an empty one says goodbye)
 CONTROL_REQUEST = struct.Struct("!cQI")
@@ -115,10 +117,11 @@ class Zygote:
     def _read(self, size, deadline):
         return transport.receive_exactly(self.control, size, deadline)
 
-    def spawn(self, memory_cap_mb: int, deadline: float) -> SandboxHandle:
+    def spawn(self, memory_cap_mb: int, deadline: float, confined: bool = True) -> SandboxHandle:
         environment = json.dumps(zygote_start.environment_for_sandbox()).encode()
         self.control.settimeout(max(deadline - time.monotonic(), 0.001))
-        self.control.sendall(CONTROL_REQUEST.pack(SPAWN, memory_cap_mb, len(environment)) + environment)
+        op = SPAWN if confined else SPAWN_UNCONFINED
+        self.control.sendall(CONTROL_REQUEST.pack(op, memory_cap_mb, len(environment)) + environment)
         head, fds, _, _ = socket.recv_fds(self.control, SPAWN_REPLY.size, 1)
         if not fds:
             raise EOFError("the zygote sent no sandbox")
@@ -244,8 +247,8 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
     op, value, size = CONTROL_REQUEST.unpack(transport.receive_exactly(conn, CONTROL_REQUEST.size, deadline))
     payload = json.loads(bytes(transport.receive_exactly(conn, size, deadline))) if size else None
     conn.settimeout(REQUEST_TIMEOUT_S)
-    if op == SPAWN:
-        pid, caller_end = _start_sandbox(ours, prep, value, policy, payload or {})
+    if op in (SPAWN, SPAWN_UNCONFINED):
+        pid, caller_end = _start_sandbox(ours, prep, value, policy if op == SPAWN else None, payload or {})
         children.add(pid)
         try:
             socket.send_fds(conn, [SPAWN_REPLY.pack(pid)], [caller_end.fileno()])
@@ -293,7 +296,8 @@ def _start_sandbox(ours, prep, memory_cap_mb, policy, environment):
     if not zygote_start.fork_is_safe():
         # A preloaded module started a thread: forking now could deadlock the child.
         log.warning("swift_safe_media: the zygote has threads; starting sandboxes by exec")
-        pid = zygote_start.exec_sandbox(sandbox_end, prep, memory_cap_mb, environment)
+        pid = zygote_start.exec_sandbox(sandbox_end, dict(prep, confine=policy is not None), memory_cap_mb,
+                                        environment)
         sandbox_end.close()
         return pid, caller_end
     zygote = os.getpid()
