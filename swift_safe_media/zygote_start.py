@@ -87,6 +87,8 @@ def preparation(confined: bool = True) -> dict:
     spec = getattr(main, "__spec__", None)
     main_name = spec.name if spec is not None and spec.name != "__main__" else None
     main_path = getattr(main, "__file__", None)
+    if main_path and not os.path.isfile(main_path):
+        main_path = None  # "<stdin>": nothing a sandbox could load
     return {
         "sys_path": list(sys.path),
         "argv": list(sys.argv),

@@ -134,3 +134,33 @@ def test_a_loader_at_the_top_level_of_an_unguarded_script_decodes_at_once(runs, 
     output, elapsed = runs[mode]
     print(f"{mode}: {elapsed:.1f} s")
     _check(output)
+
+
+# A function of the script itself, run in a sandbox (swift_safe_media.call): the sandbox
+# needs the script's definitions, and once ran the whole script again to get them.
+OWN_FUNCTION = """import swift_safe_media
+SCALE = 2
+print("SCRIPT STARTED", flush=True)
+def double(value):
+    return value * SCALE
+print("RESULT", swift_safe_media.call(double, 21), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_function_of_an_unguarded_script_runs_without_the_script_running_again(tmp_path):
+    script = tmp_path / "own_function.py"
+    script.write_text(OWN_FUNCTION)
+    done = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), capture_output=True, text=True,
+                          env=clean_environment(pythonpath=[ROOT]), timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("SCRIPT STARTED") == 1 and "RESULT 42" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_function_typed_on_stdin_is_refused_saying_where_to_define_it(tmp_path):
+    done = subprocess.run([sys.executable, "-"], input=OWN_FUNCTION, cwd=str(tmp_path), capture_output=True,
+                          text=True, env=clean_environment(pythonpath=[ROOT]), timeout=100)
+    assert done.returncode != 0 and done.stdout.count("SCRIPT STARTED") == 1, done.stdout + done.stderr[-3000:]
+    assert ("double is defined in the caller's __main__" in done.stderr
+            and "define it in a module" in done.stderr), done.stderr[-3000:]
