@@ -31,6 +31,8 @@ $(STAMP): requirements-test.txt pyproject.toml $(SOURCES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps lerobot==0.4.4
 	@# tests/test_preflight.py: a torchcodec built for another torch (2.10), kept aside, never imported here.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(VENV)/test-extras/torchcodec-0.10.0 torchcodec==0.10.0
+	@# tests/test_preflight.py: PyPI's torchcodec 0.17 links CUDA 13; beside .venv-lerobot's torch (CUDA 12.8) it cannot load.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(VENV)/test-extras/torchcodec-0.17.0 torchcodec==0.17.0
 	@# A regular install, not editable: the start-up hook (.pth) ships only in a wheel.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
 	@touch $(STAMP)

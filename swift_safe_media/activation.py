@@ -8,12 +8,9 @@ start-up hook (``swift_safe_media.pth``) turns the package on in every child whe
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 
-from . import config, integrations, sandbox
+from . import config, integrations, run_folders, sandbox
 from .integrations import _imports
 
 
@@ -33,6 +30,8 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     config.validate()  # every setting: a bad value fails here, not inside a worker
     before = config.snapshot()
     config.put(config.ENABLED, True)
+    if _starts_runs():
+        run_folders.sweep()  # what runs killed with their zygotes left in the temporary folder
     _choose_stats_dir()
     if _starts_runs():
         # First, in the background: the warm forkserver's imports (seconds) overlap the
@@ -67,28 +66,17 @@ def _choose_stats_dir() -> None:
     elif current:
         return
     else:
-        wanted = tempfile.mkdtemp(prefix="swift-safe-media-stats-")
-        _remove_at_exit(wanted)
-    if current and current != wanted:
+        # Ours: removed as this process exits, or by its zygote if it is killed (run_folders).
+        wanted = run_folders.make("stats")
+    if current and current != wanted and current in run_folders.owned():
         try:
             os.rmdir(current)  # the temporary folder it replaces, if nothing was written there yet
         except OSError:
-            pass
+            pass  # it goes at exit, with what was written there
+        else:
+            run_folders.forget(current)
     config.put(config.STATS_DIR, wanted)
     _chosen_stats_dir = config.get(config.STATS_DIR)
-
-
-def _remove_at_exit(folder: str) -> None:
-    """A temporary stats folder is ours: gone when the process that made it exits normally.
-    Registered before the host's summary hooks, so it runs after them (atexit runs last
-    first). Children that inherit the folder never remove it."""
-    creator = os.getpid()
-
-    def remove():
-        if os.getpid() == creator:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    atexit.register(remove)
 
 
 def disable() -> None:

@@ -169,7 +169,8 @@ def report(out=sys.stdout) -> int:
     needs = preflight.needs_of([{"ms-swift": "swift", "lerobot": "lerobot"}[name] for name in installed_hosts]
                                or None)
     findings = preflight.inspect(needs)
-    problems = [finding for finding in findings if not finding.ok]
+    problems = [finding for finding in findings if not finding.ok and finding.required]
+    warnings = [finding for finding in findings if not finding.ok and not finding.required]
 
     say("\ndecoders")
     for finding in findings:
@@ -208,6 +209,8 @@ def report(out=sys.stdout) -> int:
     say(_line("sample decode", text, "ok" if worked else "FAILED"))
 
     say("")
+    for finding in warnings:  # not needed by every run: ms-swift needs qwen_omni_utils for Omni models only
+        say(f"warning: {finding.problem}.\n  Fix: {finding.fix}")
     if problems or invalid or not worked:
         for finding in problems:
             say(str(preflight.ProtectionUnavailable(finding.problem, finding.fix)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import time
 
 from . import config, sandbox, watchdog
 from .accounting import Accounting
@@ -22,7 +23,7 @@ from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setu
                    set_up_sandboxes, shutdown)
 from .sandbox import in_sandbox, mark_in_sandbox
 
-__all__ = ["call", "call_each", "isolated", "fetch", "path_hint", "FAILED_PATH",
+__all__ = ["call", "call_each", "isolated", "fetch", "SharedTimeout", "path_hint", "FAILED_PATH",
            # re-exported from .pool and .sandbox
            "Engine", "RemoteTraceback", "describe_status", "get_engine", "shutdown",
            "set_up_sandboxes", "forget_sandbox_setup", "in_sandbox", "mark_in_sandbox"]
@@ -70,22 +71,63 @@ def call(fn, *args, timeout: float | None = None, path=None, confine: bool = Tru
     return _call(fn, args, kwargs, timeout, path_hint(args, kwargs, path), confine)
 
 
-def fetch(fn, *args, path, timeout: float | None = None):
+class SharedTimeout:
+    """What an argument of a call carries when the call finishes a decode whose first step
+    ran before it (a URL's download, see :func:`fetch`): ``deadline`` (``time.monotonic()``),
+    by which the call must end, and ``timeout``, the one timeout both steps share. A call
+    given such an argument runs for what is left of it."""
+
+    deadline: float | None = None
+    timeout: float | None = None
+
+
+def fetch(fn, *args, path, timeout: float | None = None) -> tuple[object, float, float]:
     """The first step of a decode of ``path`` that needs the network (a download): runs
     in an unconfined sandbox, so only its result reaches the confined decode. Quarantine
-    and failures count as for that decode; a success is not counted (the decode is)."""
-    if in_sandbox():
-        return fn(*args)
-    return _call(fn, args, {}, timeout, path, confined=False, count_success=False)
+    and failures count as for that decode; a success is not counted (the decode is).
 
-
-def _call(fn, args, kwargs, timeout, media, confined, count_success=True):
+    Returns ``(result, deadline, timeout)``: the step and the decode after it share one
+    timeout, counted from the moment the step starts to run (a sandbox's start-up is never
+    counted); hand ``deadline`` and ``timeout`` to the decode in a :class:`SharedTimeout`."""
     timeout = config.timeout() if timeout is None else float(timeout)
+    if in_sandbox():
+        return fn(*args), time.monotonic() + timeout, timeout
+    started = []
+    result = _call(fn, args, {}, timeout, path, confined=False, count_success=False,
+                   on_start=lambda: started.append(time.monotonic()))
+    return result, (started[0] if started else time.monotonic()) + timeout, timeout
+
+
+def _shared_timeout(args, kwargs) -> SharedTimeout | None:
+    shared = [value for value in (*args, *kwargs.values())
+              if isinstance(value, SharedTimeout) and value.deadline is not None]
+    return min(shared, key=lambda value: value.deadline) if shared else None
+
+
+def _call(fn, args, kwargs, timeout, media, confined, count_success=True, on_start=None):
+    timeout = config.timeout() if timeout is None else float(timeout)
+    shared = _shared_timeout(args, kwargs)
+    if shared is not None:
+        timeout = min(timeout, shared.deadline - time.monotonic())
     accounting = Accounting(fn)
     accounting.check(media)
     accounting.begin(media)
+
+    def started():
+        accounting.restart_clock()
+        if on_start is not None:
+            on_start()
+
     try:
-        result = get_engine(confined).run(fn, args, kwargs, timeout, media, on_start=accounting.restart_clock)
+        if timeout <= 0:  # the first step took it all (and ended just short of it)
+            raise MediaDecodeTimeout(media, "overran its timeout before the decode could start", 0.0)
+        result = get_engine(confined).run(fn, args, kwargs, timeout, media, on_start=started)
+    except MediaDecodeTimeout as exc:
+        if shared is not None:
+            exc = MediaDecodeTimeout(exc.path, f"the download and the decode together overran their "
+                                               f"{shared.timeout:g} s timeout ({exc.reason})", exc.elapsed)
+        accounting.end(exc)
+        raise exc from None
     except BaseException as exc:
         accounting.end(exc)
         raise

@@ -25,7 +25,8 @@ import time
 
 from . import config, confine, process, transport
 from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
-from .zygote import SandboxHandle, Zygote, shared_address
+from .shared_zygote import shared_address
+from .zygote import SandboxHandle, Zygote
 
 log = logging.getLogger("swift_safe_media")
 
@@ -133,7 +134,7 @@ class Engine:
                     self._drop_zygote()
                     self._zygote = self._open_zygote()
                 try:
-                    box = self._zygote.spawn(config.max_memory_mb(), deadline)
+                    box = self._zygote.spawn(config.max_memory_mb(), deadline, self.confined)
                     break
                 except (OSError, EOFError) as exc:
                     shared = self._zygote.process is None
@@ -150,7 +151,7 @@ class Engine:
         return box
 
     def _open_zygote(self) -> Zygote:
-        """The rank's shared zygote when there is one (see :class:`~.zygote.SharedZygote`),
+        """The rank's shared zygote when there is one (see :class:`~.shared_zygote.SharedZygote`),
         else a zygote of this process's own."""
         address = None if self._shared_failed else shared_address(self.confined)
         if address is not None:

@@ -16,7 +16,13 @@ What is checked, and how cheaply (the check runs at the start of every protected
   with an undefined ``c10``/``at`` symbol, missing FFmpeg libraries with "cannot open
   shared object file". The libraries need torch's own, so torch is imported (hosts have
   imported it already).
+  A library missing for another reason is named for what it is: one of CUDA's (a
+  torchcodec built for another CUDA than torch's, or a CUDA build beside a CPU-only torch).
 - soundfile (with its libsndfile) and soxr are imported (a few ms).
+- For ms-swift, where qwen_omni_utils is installed: the modules it imports (audioread,
+  librosa, av) are found, without importing them (librosa 1.0 no longer installs
+  audioread, and qwen_omni_utils imports it). A run whose command line names an Omni
+  model is refused without them; any other gets a warning.
 
 The verdict is kept per process, and a passed check is written to the environment
 (``SWIFT_SAFE_MEDIA_PREFLIGHT_PASSED``), so DataLoader workers, ``swift sft``'s
@@ -32,6 +38,7 @@ import dataclasses
 import glob
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -41,14 +48,19 @@ from . import config
 from .errors import ProtectionUnavailable
 from .integrations import installed_version, parse_version
 
+log = logging.getLogger("swift_safe_media")
+
 # What each host's safe loaders decode with (see the adapters): ms-swift's twins use
 # torchcodec for video and for audio in containers, soundfile and soxr for the rest;
 # LeRobot decodes with torchcodec, or with PyAV where torchcodec is not installed.
 TORCHCODEC, SOUNDFILE, SOXR, LEROBOT_VIDEO = "torchcodec", "soundfile", "soxr", "torchcodec-or-pyav"
+QWEN_OMNI = "qwen_omni_utils"  # ms-swift's Qwen2.5-Omni / Qwen3-Omni models and templates
 HOST_NEEDS = {
-    "swift": (TORCHCODEC, SOUNDFILE, SOXR),
+    "swift": (TORCHCODEC, SOUNDFILE, SOXR, QWEN_OMNI),
     "lerobot": (LEROBOT_VIDEO,),
 }
+# What qwen_omni_utils imports as it loads (its audio_process module), by distribution.
+QWEN_OMNI_IMPORTS = {"audioread": "audioread", "librosa": "librosa", "av": "av"}
 
 # torchcodec's compatibility table (its README): the release line for each torch. From
 # 0.12 on torchcodec builds against torch's stable ABI and works with any torch >= 2.11.
@@ -67,6 +79,7 @@ class Finding:
     detail: str = ""
     problem: str | None = None      # None: usable
     fix: str | None = None
+    required: bool = True           # False: a problem is warned about, the run goes on
 
     @property
     def ok(self) -> bool:
@@ -160,6 +173,10 @@ def check_torchcodec(torch_found: Finding) -> tuple[Finding, Finding]:
             return _loaded(torchcodec, ffmpeg, major)
     majors = [major for major, _, _ in libraries]
     ffmpeg.detail = f"torchcodec {torchcodec.version} accepts FFmpeg {min(majors)} to {max(majors)}"
+    torch_cuda = getattr(getattr(sys.modules.get("torch"), "version", None), "cuda", None)
+    cuda = _cuda_mismatch(torchcodec, torch_found, torch_cuda, requirement, failures)
+    if cuda is not None:
+        return cuda, ffmpeg
     torch_symbol = next((m.group(1) for _, error in failures
                          if (m := re.search(r"undefined symbol: (\S*(?:c10|torch|_ZN2at|aoti)\S*)", error))), None)
     if torch_symbol:
@@ -181,6 +198,50 @@ def check_torchcodec(torch_found: Finding) -> tuple[Finding, Finding]:
     torchcodec.problem = f"torchcodec {torchcodec.version} does not load with FFmpeg {major}: {error[:300]}"
     torchcodec.fix = pip_install(requirement) + " --force-reinstall"
     return torchcodec, ffmpeg
+
+
+# CUDA's own libraries (a CUDA build of torchcodec needs those of the CUDA it was built
+# for, which torch's CUDA build ships and loads) and torch's CUDA half (absent from a
+# CPU-only torch).
+_CUDA_LIBRARY = re.compile(r"(lib(?:nvrtc|cudart|cublas\w*|cufft|curand|cusparse|cusolver|npp\w*|nvjpeg|nvcuvid|cuda)"
+                           r"\.so(?:\.(\d+))?)[\w.]*: cannot open shared object file")
+_TORCH_CUDA_LIBRARY = re.compile(r"(lib(?:c10_cuda|torch_cuda)\.so): cannot open shared object file")
+
+
+def _cuda_mismatch(torchcodec: Finding, torch_found: Finding, cuda: str | None, requirement: str,
+                   failures) -> Finding | None:
+    """A torchcodec that fails to load because it is built for another CUDA than torch's
+    (``cuda``: torch's, as ``torch.version.cuda`` says; None for a CPU-only build)."""
+    errors = [error for _, error in failures]
+    library = next((m for error in errors if (m := _CUDA_LIBRARY.search(error))), None)
+    torch_cuda = next((m for error in errors if (m := _TORCH_CUDA_LIBRARY.search(error))), None)
+    if library is None and torch_cuda is None:
+        return None
+    built_for = (f"CUDA {library.group(2)}" if library is not None and library.group(2) else "CUDA")
+    needs = (library or torch_cuda).group(1)
+    torch_side = (f"torch {torch_found.version} is built for CUDA {cuda}" if cuda
+                  else f"torch {torch_found.version} is a CPU-only build")
+    torchcodec.problem = (f"CUDA build mismatch: torchcodec {torchcodec.version} is built for {built_for} "
+                          f"(it needs {needs}), but {torch_side}")
+    if not _satisfies(torchcodec.version, requirement):
+        torchcodec.problem += f"; torchcodec {torchcodec.version} is not the release for this torch either"
+    if parse_version(torch_found.version)[:2] < _STABLE_ABI[0]:
+        # torchcodec's builds for these on PyPI link no CUDA library at all.
+        torchcodec.fix = pip_install(requirement) + " --force-reinstall"
+    else:  # PyPI's builds link the CUDA of PyPI's torch: take the build for this torch's CUDA
+        index = "cu" + cuda.replace(".", "") if cuda else "cpu"
+        torchcodec.fix = (pip_install(requirement) + f" --force-reinstall --index-url "
+                          f"https://download.pytorch.org/whl/{index}")
+    return torchcodec
+
+
+def _satisfies(version: str | None, requirement: str) -> bool:
+    """Whether ``version`` meets the ``==X.Y.*`` or ``>=X.Y`` of ``requirement`` (else True)."""
+    match = re.search(r"(==|>=)([\d.]+)", requirement)
+    if version is None or match is None:
+        return True
+    wanted, found = parse_version(match.group(2)), parse_version(version)
+    return found >= wanted if match.group(1) == ">=" else found[:len(wanted)] == wanted
 
 
 def _loaded(torchcodec: Finding, ffmpeg: Finding, major: int) -> tuple[Finding, Finding]:
@@ -227,6 +288,29 @@ def check_soxr() -> Finding:
     return check_module("soxr", "soxr", "it resamples audio as librosa does")
 
 
+def check_qwen_omni(command_line=None) -> Finding | None:
+    """What qwen_omni_utils imports as it loads, where it is installed (None where it is
+    not): found without importing anything. Required when the command line names an Omni
+    model, since ms-swift loads qwen_omni_utils for one; else a problem is a warning."""
+    if importlib.util.find_spec(QWEN_OMNI) is None:
+        return None
+    found = Finding(QWEN_OMNI, installed_version("qwen-omni-utils") or installed_version(QWEN_OMNI))
+    found.required = any("omni" in argument.lower() for argument in (sys.argv if command_line is None
+                                                                      else command_line))
+    missing = [distribution for module, distribution in QWEN_OMNI_IMPORTS.items()
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        why = (" (librosa 1.0 no longer installs it)" if missing == ["audioread"]
+               and parse_version(installed_version("librosa")) >= (1,) else "")
+        found.problem = (f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed{why}: "
+                         f"qwen_omni_utils {found.version} imports {'it' if len(missing) == 1 else 'them'} as it "
+                         f"loads, and ms-swift loads it for Qwen2.5-Omni and Qwen3-Omni models")
+        found.fix = f"{sys.executable} -m pip install " + " ".join(f'"{name}"' for name in missing)
+    else:
+        found.detail = "imports " + ", ".join(QWEN_OMNI_IMPORTS) + " found"
+    return found
+
+
 # --- the verdict --------------------------------------------------------------------
 
 def needs_of(hosts) -> set[str]:
@@ -249,6 +333,8 @@ def inspect(needs=None) -> list[Finding]:
         findings.append(check_soundfile())
     if SOXR in needs:
         findings.append(check_soxr())
+    if QWEN_OMNI in needs and (omni := check_qwen_omni()) is not None:
+        findings.append(omni)
     return findings
 
 
@@ -277,8 +363,12 @@ def require(hosts=None) -> None:
         return
     key = frozenset(needs)
     if key not in _verdicts:
-        problem = next((finding for finding in inspect(needs) if not finding.ok), None)
+        findings = inspect(needs)
+        problem = next((finding for finding in findings if not finding.ok and finding.required), None)
         _verdicts[key] = None if problem is None else ProtectionUnavailable(problem.problem, problem.fix)
+        for finding in findings:
+            if not finding.ok and not finding.required and problem is None:
+                log.warning("swift_safe_media: %s. Fix: %s", finding.problem, finding.fix)
     refusal = _verdicts[key]
     if refusal is not None:
         show_plainly_if_uncaught()

@@ -36,7 +36,7 @@ class ProcessState:
     # Whether the run this process starts will have DataLoader workers (an adapter knows it
     # from the parsed arguments; None: unknown): the warm forkserver is started only for them
     dataloader_workers_expected: bool | None = None
-    shared_zygote: object = None  # zygote.SharedZygote this process started for its workers (warm_start)
+    shared_zygote: object = None  # shared_zygote.SharedZygote this process started for its workers (warm_start)
     # The environment the warm forkserver this process started was given (None: none is
     # ours): what it forks starts with that, not with this process's environment of the
     # moment (CPython's rule), so workers are brought up to date (warm_start)
@@ -44,6 +44,9 @@ class ProcessState:
     forkserver_preload_before: list | None = None  # CPython's forkserver preload before ours (warm_start.withdraw)
     # transport.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
     recycled_buffers: object = None
+    # Temporary folders this process made -> the descriptor that holds its lock (run_folders):
+    # a forked child owns none (it only shares the parent's locks while it lives)
+    temporary_folders: dict = field(default_factory=dict)
 
 
 _state = ProcessState()

@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 import traceback
+import types
 
 from . import config, confine, errors, process, transport
 
@@ -214,19 +215,46 @@ class _SandboxUnpickler(pickle.Unpickler):
         # functions pickle under that name (multiprocessing aliases it to __main__ here).
         if module in ("__main__", "__mp_main__"):
             _load_caller_main()
+            try:
+                return super().find_class(module, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"{name} is defined in the caller's __main__ (python -c, stdin, an interactive session "
+                    f"or a notebook cell), which a sandbox cannot load: define it in a module (a .py file "
+                    f"beside the script or notebook) and import it from there") from None
         return super().find_class(module, name)
 
 
 def _load_caller_main() -> None:
     """Functions defined in the caller's script pickle as ``__main__.name``; load that
-    script the way multiprocessing's spawn does (guarded by ``__name__ == "__main__"``)."""
+    script the way multiprocessing's spawn does (as ``__mp_main__``, so what runs under
+    ``if __name__ == "__main__":`` does not run here). A script that does work outside
+    that guard (a quick script calling a loader at its top level) is not run again: only
+    its imports and definitions are (:func:`.spawn_guard.definitions_of`)."""
     global _caller_main
     main, _caller_main = _caller_main, None
     if not main:
         return
+    import importlib.util
     import multiprocessing.spawn as mp_spawn
 
+    from . import spawn_guard
+
+    path = main.get("path")
     if main.get("name"):
-        mp_spawn._fixup_main_from_name(main["name"])
-    elif main.get("path"):
-        mp_spawn._fixup_main_from_path(main["path"])
+        spec = importlib.util.find_spec(main["name"])
+        path = spec.origin if spec is not None and spec.has_location else None
+        if path is None or spawn_guard.only_imports_and_defines(path):
+            return mp_spawn._fixup_main_from_name(main["name"])
+    if not path:
+        return
+    if spawn_guard.only_imports_and_defines(path) or getattr(sys.modules["__main__"], "__file__", None) == path:
+        return mp_spawn._fixup_main_from_path(path)
+    definitions = spawn_guard.definitions_of(path)
+    if definitions is None:
+        return mp_spawn._fixup_main_from_path(path)
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = path
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
+    exec(compile(definitions, path, "exec"), module.__dict__)

@@ -137,6 +137,16 @@ def only_imports_and_defines(path: str) -> bool:
     return tree is not None and _only_defines(tree.body)
 
 
+def definitions_of(path: str) -> ast.Module | None:
+    """The script's top level without what does work (see :func:`only_imports_and_defines`):
+    what a process that needs only its functions and classes runs of it. None if unreadable."""
+    tree = _script_tree(path)
+    if tree is None:
+        return None
+    # A `__name__ == "__main__"` test stays: run as __mp_main__, its main branch does not run.
+    return ast.Module(body=[node for node in tree.body if _only_defines([node])], type_ignores=[])
+
+
 def _only_defines(statements) -> bool:
     for node in statements:
         if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,

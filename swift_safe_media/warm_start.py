@@ -13,7 +13,7 @@ rank) long before its first batch, so their imports overlap the model's loading.
   at fork speed and sharing its pages. It dies with the trainer (``PR_SET_PDEATHSIG``, when the
   trainer's main thread started it): torch's workers watch only their own parent, and
   CPython's forkserver would outlive a killed trainer as long as any child of it lives.
-- **The shared zygote** (:class:`.zygote.SharedZygote`): one per rank, used by the rank
+- **The shared zygote** (:class:`.shared_zygote.SharedZygote`): one per rank, used by the rank
   and all its DataLoader workers. It is forked from the same forkserver (so it shares
   those pages too), or started by exec where the forkserver is not ours to use.
 
@@ -38,7 +38,8 @@ import sys
 import threading
 
 from . import config, process
-from .zygote import PARENT_THREADS_ENV, SharedZygote
+from .shared_zygote import SharedZygote
+from .zygote_start import PARENT_THREADS_ENV
 
 log = logging.getLogger("swift_safe_media")
 
@@ -213,11 +214,15 @@ def workers_see_current_environment(loader, method: str):
         loader.worker_init_fn = init_fn
 
 
+# The name of the zygote's process: the warm forkserver prepares it without the main script.
+ZYGOTE_PROCESS = "swift-safe-media-zygote"
+
+
 def fork_zygote(zygote_end, listener):
     """Start the shared zygote as a child of the warm forkserver (blocks until it is forked,
     which is once the forkserver has imported)."""
     child = multiprocessing.get_context(FORKSERVER).Process(
-        target=_zygote_child, args=(zygote_end, listener), name="swift-safe-media-zygote", daemon=True)
+        target=_zygote_child, args=(zygote_end, listener), name=ZYGOTE_PROCESS, daemon=True)
     child.start()
     return child
 
@@ -248,6 +253,7 @@ def preload_in_forkserver() -> None:
     if trainer:
         process.die_with_parent(trainer)
     os.register_at_fork(after_in_child=_forked_from_forkserver)
+    _zygote_skips_main_script()
     if config.stall_timeout() > 0:
         # What it forks answers the stall watchdog's stack dumps. The start-up hook, which
         # makes spawned workers answer, looks for the watchdog's folder: enable() starts this
@@ -261,9 +267,9 @@ def preload_in_forkserver() -> None:
     saved = {name: os.environ.get(name) for name in quiet}
     os.environ.update(quiet)
     try:
-        from . import zygote
+        from . import zygote_start
 
-        zygote.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
+        zygote_start.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
         threads_before_main = len(_threads())
         if os.getppid() == parent:
             _import_main(config.get(config.FORKSERVER_MAIN))
@@ -287,6 +293,29 @@ def preload_in_forkserver() -> None:
                    if len(threads) > threads_before_main else "")
         log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s)%s; "
                     "DataLoader workers will be spawned instead", len(threads), ", ".join(threads), by_main)
+
+
+def _zygote_skips_main_script() -> None:
+    """What this forkserver forks is prepared as CPython's spawn prepares a child: it runs
+    the parent's main script (as ``__mp_main__``) before its target, and a script without
+    ``if __name__ == "__main__":`` decodes at its top level. In the zygote, that decode
+    would wait for the zygote itself (it has not started serving) until the start-up
+    timeout. The zygote needs nothing of the main script (a sandbox loads the functions a
+    call names there, see :mod:`.sandbox`), so its preparation leaves the script out."""
+    from multiprocessing import spawn
+
+    prepare = spawn.prepare
+    if getattr(prepare, "_swift_safe_media", False):
+        return
+
+    def prepare_child(data):
+        if data.get("name") == ZYGOTE_PROCESS:
+            data = {key: value for key, value in data.items()
+                    if key not in ("init_main_from_path", "init_main_from_name")}
+        return prepare(data)
+
+    prepare_child._swift_safe_media = True
+    spawn.prepare = prepare_child
 
 
 def _import_main(main: str | None) -> None:

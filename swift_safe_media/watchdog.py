@@ -14,15 +14,13 @@ import faulthandler
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import weakref
 
-from . import config, process
+from . import config, process, run_folders
 from .integrations._patching import MethodPatcher
 from .config import INFLIGHT_DIR  # set by the watchdog; workers inherit it
 
@@ -166,7 +164,7 @@ class Watchdog:
         self.last_batch = time.monotonic()
         self.iterating = 0
         self.fired = False
-        self.inflight_dir = tempfile.mkdtemp(prefix="swift-safe-media-inflight-")
+        self.inflight_dir = run_folders.make("inflight")  # removed at exit, or by the zygote if killed
         config.put(INFLIGHT_DIR, self.inflight_dir)
         answer_stack_dumps()  # forked workers inherit the handler; spawned ones get it from the .pth
         self._stopped = threading.Event()
@@ -177,7 +175,7 @@ class Watchdog:
         self._stopped.set()
         if config.get(INFLIGHT_DIR) == self.inflight_dir:
             config.put(INFLIGHT_DIR, None)
-        shutil.rmtree(self.inflight_dir, ignore_errors=True)
+        run_folders.release(self.inflight_dir)
 
     def batch_received(self) -> None:
         self.last_batch = time.monotonic()
@@ -232,6 +230,8 @@ class Watchdog:
     def _in_flight(self) -> list[dict]:
         records = []
         for name in sorted(os.listdir(self.inflight_dir)):
+            if name.startswith("."):  # the folder's lock (run_folders), not a record
+                continue
             try:
                 with open(os.path.join(self.inflight_dir, name)) as record:
                     records.append(json.load(record))

@@ -5,50 +5,55 @@ that imports the decoders once and stays single-threaded, so forking a sandbox f
 is safe and takes milliseconds. Each sandbox leads its own process group, so one
 SIGKILL to the group also stops helpers such as an ffmpeg child stuck on a FIFO.
 Neither outlives the caller: the zygote exits on EOF of its control socket after
-killing its sandboxes, and a sandbox gets SIGKILL when the zygote dies.
+killing its sandboxes, and a sandbox gets SIGKILL when the zygote dies. A caller that
+was killed leaves no temporary folder either: the zygote removes those it was told of.
 
 Caller side: :class:`Zygote` starts the zygote and asks it, over the control socket,
 to fork a sandbox (``SPAWN``: the reply carries the sandbox's pid and its socket) or
-to reap one after the caller killed it (``REAP``: wait status and peak RSS).
-Zygote side: :func:`zygote_main`. What runs inside a sandbox is :mod:`.sandbox`.
+to reap one after the caller killed it (``REAP``: wait status and peak RSS); the owner
+of the control connection also names its temporary folders (``LEFTOVERS``, no reply).
+Zygote side: :func:`zygote_main`. How a zygote starts and what it takes from its caller
+first is :mod:`.zygote_start`; the shared zygote's owner is :mod:`.shared_zygote`; what
+runs inside a sandbox is :mod:`.sandbox`.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import logging
 import os
 import select
-import shutil
 import signal
 import socket
 import struct
 import subprocess
-import sys
-import tempfile
-import threading
 import time
 
-from . import config, confine, process, sandbox, transport
+from . import process, run_folders, sandbox, transport, zygote_start
 
 log = logging.getLogger("swift_safe_media")
 
 # -- the wire -------------------------------------------------------------------------
-SPAWN, REAP = b"S", b"R"
-# op, memory cap in MB (SPAWN) or pid (REAP), then that many bytes (SPAWN: JSON of the
-# caller's environment, which the new sandbox takes as its own)
+SPAWN, SPAWN_UNCONFINED, REAP, LEFTOVERS = b"S", b"U", b"R", b"L"
+# op, memory cap in MB (SPAWN) or pid (REAP), then that many bytes of JSON: SPAWN, the
+# caller's environment, which the new sandbox takes as its own (SPAWN_UNCONFINED: a
+# sandbox left unconfined, for a download, from a zygote that confines the others, so a
+# rank's one zygote serves both kinds); LEFTOVERS (from the
+# owner of the control connection only), its temporary folders, for the zygote to
+# remove if the owner dies (the list replaces the last one; an empty one says goodbye)
 CONTROL_REQUEST = struct.Struct("!cQI")
 SPAWN_REPLY = struct.Struct("!q")  # pid; the sandbox's socket rides along (SCM_RIGHTS)
 REAP_REPLY = struct.Struct("!qq")  # wait status, peak RSS in KiB
 READY = struct.Struct("!qq")  # the zygote's pid and its parent's thread count, once it has preloaded
 REQUEST_TIMEOUT_S = 5.0  # a caller sends a request whole; one that stalls mid-request is dropped
 
-_PREP_ENV = "_SWIFT_SAFE_MEDIA_PREP"  # the preparation, for a sandbox started by exec
-# Set by the warm forkserver (:mod:`.warm_start`) for what it forks: its own thread count
-# after its imports, which the zygote it forks reports in READY (more than 1: unsafe).
-PARENT_THREADS_ENV = "_SWIFT_SAFE_MEDIA_FORKSERVER_THREADS"
+
+def send_control(conn: socket.socket, op: bytes, value: int, payload=None) -> None:
+    """One request on a control connection (the payload as JSON)."""
+    body = json.dumps(payload).encode() if payload is not None else b""
+    conn.settimeout(REQUEST_TIMEOUT_S)
+    conn.sendall(CONTROL_REQUEST.pack(op, value, len(body)) + body)
 
 
 class SandboxHandle:
@@ -84,17 +89,12 @@ class Zygote:
 
     def __init__(self, start_timeout: float, confined: bool = True):
         caller_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        code = f"from swift_safe_media.zygote import zygote_main; zygote_main({zygote_end.fileno()})"
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code], pass_fds=[zygote_end.fileno()], env=_zygote_environment(),
-            # `-c` puts the working directory first on sys.path: a `swift_safe_media/` folder
-            # there must not stand in for the package the caller imported (on PYTHONPATH).
-            cwd=NEUTRAL_DIRECTORY, stdin=subprocess.DEVNULL, close_fds=True)
+        self.process = zygote_start.popen_zygote(zygote_end)
         zygote_end.close()
         self.control = caller_end
         deadline = time.monotonic() + start_timeout
         try:
-            transport.send(self.control, transport.REQUEST, preparation(confined), deadline)
+            transport.send(self.control, transport.REQUEST, zygote_start.preparation(confined), deadline)
             self._read(READY.size, deadline)
         except BaseException:
             self.close()
@@ -117,10 +117,11 @@ class Zygote:
     def _read(self, size, deadline):
         return transport.receive_exactly(self.control, size, deadline)
 
-    def spawn(self, memory_cap_mb: int, deadline: float) -> SandboxHandle:
-        environment = json.dumps(_environment_for_sandbox()).encode()
+    def spawn(self, memory_cap_mb: int, deadline: float, confined: bool = True) -> SandboxHandle:
+        environment = json.dumps(zygote_start.environment_for_sandbox()).encode()
         self.control.settimeout(max(deadline - time.monotonic(), 0.001))
-        self.control.sendall(CONTROL_REQUEST.pack(SPAWN, memory_cap_mb, len(environment)) + environment)
+        op = SPAWN if confined else SPAWN_UNCONFINED
+        self.control.sendall(CONTROL_REQUEST.pack(op, memory_cap_mb, len(environment)) + environment)
         head, fds, _, _ = socket.recv_fds(self.control, SPAWN_REPLY.size, 1)
         if not fds:
             raise EOFError("the zygote sent no sandbox")
@@ -139,6 +140,11 @@ class Zygote:
         return _peer_open(self.control)  # a zygote writes only replies: between requests, EOF
 
     def close(self, wait: float = 2.0) -> None:
+        if self.process is not None:
+            try:  # a goodbye: this process lives on and removes its folders itself
+                send_control(self.control, LEFTOVERS, 0, [])
+            except OSError:
+                pass
         self.control.close()  # EOF tells the zygote to kill this connection's sandboxes
         if self.process is None:
             return
@@ -155,168 +161,6 @@ class Zygote:
             self.process.returncode = 0  # keeps Popen.__del__ from tracking the parent's child
 
 
-class SharedZygote:
-    """The owner's end of the zygote a training process (a rank) shares with its DataLoader
-    workers, whatever their start method: one zygote per rank instead of one per worker,
-    started early (see :mod:`.warm_start`) so its imports are done by the first batch.
-
-    Callers reach it through a Unix socket in a private folder, named in the internal
-    setting ``SWIFT_SAFE_MEDIA_ZYGOTE`` (inherited by workers); each still gets its own
-    sandboxes, timeouts and errors. The listening socket exists before the zygote does,
-    so a worker may connect at once: its first request waits for the zygote's imports.
-    The owner's control connection holds the zygote's life: it ends with the owner."""
-
-    def __init__(self, confined: bool):
-        self.confined = confined
-        self.folder = _private_folder()  # mode 0700
-        self.address = os.path.join(self.folder, "zygote.sock")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.address)
-        self._listener.listen(256)
-        self.control, self._zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.process = None
-        self.pid: int | None = None
-        self.problem: str | None = None  # why it is not serving, once it is known
-        self.parent_problem: str | None = None  # why the process it was forked from is unsafe
-        self.started_by = None  # what starts its process (see start)
-        self.ready = threading.Event()
-        self._owner = os.getpid()
-        self._closed = False
-        config.put(config.ZYGOTE, f"{'confined' if confined else 'unconfined'}:{self.address}")
-
-    def start(self, start_process=None) -> None:
-        """Start the zygote in the background: ``start_process(zygote_end, listener)``
-        returns its process (by default, one started by exec)."""
-        self.started_by = start_process or _popen_zygote
-        threading.Thread(target=self._start, args=(self.started_by,), name="swift-safe-media-zygote-start",
-                         daemon=True).start()
-
-    def _start(self, start_process) -> None:
-        deadline = time.monotonic() + config.start_timeout()
-        try:
-            if self._closed:  # closed before this thread ran (enable() refused the run)
-                raise EOFError
-            self.process = start_process(self._zygote_end, self._listener)
-            self._zygote_end.close()
-            self._listener.close()  # the zygote holds it now: if it dies, callers are refused
-            transport.send(self.control, transport.REQUEST, preparation(self.confined), deadline)
-            self.pid, parent_threads = READY.unpack(transport.receive_exactly(self.control, READY.size, deadline))
-            if parent_threads > 1:
-                self.parent_problem = f"the process it was forked from has {parent_threads} threads"
-                raise RuntimeError(self.parent_problem)
-        except BaseException as exc:
-            self.problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            if not self._closed:
-                    log.warning("swift_safe_media: the shared zygote could not start (%s); each process "
-                            "starts its own", self.problem)
-            self.close()
-        finally:
-            self.ready.set()
-
-    def close(self) -> None:
-        """Stop the zygote and its sandboxes (callers then start zygotes of their own)."""
-        if os.getpid() != self._owner:
-            return
-        self._closed = True
-        if config.get(config.ZYGOTE) == f"{'confined' if self.confined else 'unconfined'}:{self.address}":
-            config.put(config.ZYGOTE, None)
-        for sock in (self._listener, self._zygote_end, self.control):
-            sock.close()
-        if self.process is not None:
-            try:
-                self.process.wait(2.0) if hasattr(self.process, "wait") else self.process.join(2.0)
-            except subprocess.TimeoutExpired:
-                pass
-            if _running(self.process):
-                self.process.kill()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def abandon(self) -> None:
-        """In a forked child: the zygote is the parent's; drop our copies of its sockets."""
-        for sock in (self._listener, self._zygote_end, self.control):
-            sock.close()
-        if isinstance(self.process, subprocess.Popen):
-            self.process.returncode = 0
-
-
-# A Unix socket's path has at most 107 bytes; a long TMPDIR (a job scheduler's, a test's)
-# leaves no room, so the folder then goes where it fits.
-_SOCKET_PATH_MAX = 107 - len("/zygote.sock")
-
-
-def _private_folder() -> str:
-    for base in (None, "/tmp", "/dev/shm"):
-        parent = tempfile.gettempdir() if base is None else base
-        if len(os.path.join(parent, "swift-safe-media-zygote-12345678")) <= _SOCKET_PATH_MAX:
-            return tempfile.mkdtemp(prefix="swift-safe-media-zygote-", dir=parent)
-    raise OSError("no temporary folder with a path short enough for a Unix socket")
-
-
-def _running(child) -> bool:
-    if isinstance(child, subprocess.Popen):
-        return child.poll() is None
-    return child.is_alive()
-
-
-def _popen_zygote(zygote_end: socket.socket, listener: socket.socket):
-    """A zygote started by exec (without the warm forkserver)."""
-    fds = (zygote_end.fileno(), listener.fileno())
-    code = f"from swift_safe_media.zygote import zygote_main; zygote_main({fds[0]}, {fds[1]})"
-    return subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, env=_zygote_environment(),
-                            cwd=NEUTRAL_DIRECTORY, stdin=subprocess.DEVNULL, close_fds=True)
-
-
-def shared_address(confined: bool) -> str | None:
-    """The socket of this rank's shared zygote for sandboxes of this kind, if there is one."""
-    value = config.get(config.ZYGOTE)
-    if not value:
-        return None
-    kind, _, address = value.partition(":")
-    return address if kind == ("confined" if confined else "unconfined") else None
-
-
-def _environment_for_sandbox() -> dict:
-    """The caller's environment, which a sandbox takes instead of the zygote's: the caller
-    may have changed it since the zygote started (a shared zygote starts at ``enable()``),
-    and the thread budget is resolved here, where the DataLoader's worker count is known."""
-    environment = {name: value for name, value in os.environ.items() if name != config.ZYGOTE}
-    environment[config.THREADS] = str(config.decoder_threads())
-    # Pools are sized by that budget after the fork (sandbox._limit_threads); a library a
-    # sandbox imports later starts with one thread, as in the zygote.
-    environment.update({name: "1" for name in config.THREAD_ENV_VARS})
-    return environment
-
-
-def _zygote_environment() -> dict:
-    env = dict(os.environ)
-    # The budget is resolved here, where the DataLoader's worker count is known, and each
-    # sandbox sizes its pools to it after the fork; the zygote imports with pools of one
-    # thread, since a pool started at import would leave it unsafe to fork.
-    env.update({name: "1" for name in config.THREAD_ENV_VARS})
-    env[config.THREADS] = str(config.decoder_threads())
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
-    return env
-
-
-def preparation(confined: bool = True) -> dict:
-    """What the zygote needs of the caller: its import path, argv, directory and main
-    module, and whether its sandboxes are confined."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    main_name = spec.name if spec is not None and spec.name != "__main__" else None
-    main_path = getattr(main, "__file__", None)
-    return {
-        "sys_path": list(sys.path),
-        "argv": list(sys.argv),
-        "cwd": os.getcwd(),
-        "main": {"name": main_name, "path": None if main_name else main_path},
-        "preload": config.preload_modules(),
-        "confine": confined,
-        "read_roots": config.read_roots(),
-    }
-
-
 # -- zygote side ----------------------------------------------------------------------
 def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
     """Serve the caller on ``control_fd`` and, for a shared zygote, every process that
@@ -326,16 +170,26 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
     process.set_name(process.ZYGOTE_NAME)
     control = socket.socket(fileno=control_fd)
     listener = socket.socket(fileno=listener_fd) if listener_fd >= 0 else None
+    # What the caller leaves behind if it dies: this socket's folder (which ends with the
+    # zygote in any case) and the folders it names.
+    own_folder = [os.path.dirname(listener.getsockname())] if listener is not None else []
     try:
         _, prep = transport.receive(control)
     except (EOFError, OSError):  # the caller ended before the zygote started
+        run_folders.remove(own_folder)
         os._exit(0)
-    _apply_preparation(prep)
-    preload(prep["preload"], lambda: _peer_open(control))
-    policy = _prepare_confinement(prep)
+    leftovers = list(prep.get("leftovers") or [])
+
+    def clean_up():
+        run_folders.remove(own_folder)
+        run_folders.remove_after_death(prep.get("caller", 0), leftovers)
+
+    zygote_start.apply_preparation(prep)
+    zygote_start.preload(prep["preload"], lambda: _peer_open(control), on_abandon=clean_up)
+    policy = zygote_start.prepare_confinement(prep)
     gc.collect()
     gc.freeze()  # the sandboxes' collections leave the preloaded objects (and their pages) alone
-    control.sendall(READY.pack(os.getpid(), int(os.environ.get(PARENT_THREADS_ENV, "1"))))
+    control.sendall(READY.pack(os.getpid(), int(os.environ.get(zygote_start.PARENT_THREADS_ENV, "1"))))
     clients: dict[socket.socket, set[int]] = {control: set()}  # connection -> its sandboxes
     unreaped: set[int] = set()  # killed, not yet collected (a process in D state, say)
     try:
@@ -348,7 +202,8 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
                     _accept(listener, clients)
                     continue
                 try:
-                    _serve_request(conn, clients[conn], prep, policy, unreaped, waiting)
+                    _serve_request(conn, clients[conn], prep, policy, unreaped, waiting,
+                                   leftovers if conn is control else None)
                 except (EOFError, OSError):  # the caller is gone (or broke the protocol)
                     if conn is control:
                         return
@@ -361,6 +216,7 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
         for children in clients.values():
             for pid in children:
                 reap(pid)
+        clean_up()
         os._exit(0)
 
 
@@ -384,14 +240,15 @@ def _accept(listener, clients) -> None:
     clients[conn] = set()
 
 
-def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], ours) -> None:
-    """One request of one connection; ``ours``: every socket of the zygote (no sandbox keeps one)."""
+def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], ours, leftovers=None) -> None:
+    """One request of one connection; ``ours``: every socket of the zygote (no sandbox keeps
+    one); ``leftovers``: the owner's folders, on the control connection only."""
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     op, value, size = CONTROL_REQUEST.unpack(transport.receive_exactly(conn, CONTROL_REQUEST.size, deadline))
-    environment = json.loads(bytes(transport.receive_exactly(conn, size, deadline))) if size else {}
+    payload = json.loads(bytes(transport.receive_exactly(conn, size, deadline))) if size else None
     conn.settimeout(REQUEST_TIMEOUT_S)
-    if op == SPAWN:
-        pid, caller_end = _start_sandbox(ours, prep, value, policy, environment)
+    if op in (SPAWN, SPAWN_UNCONFINED):
+        pid, caller_end = _start_sandbox(ours, prep, value, policy if op == SPAWN else None, payload or {})
         children.add(pid)
         try:
             socket.send_fds(conn, [SPAWN_REPLY.pack(pid)], [caller_end.fileno()])
@@ -404,6 +261,8 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
         if status == -1:
             unreaped.add(value)
         conn.sendall(REAP_REPLY.pack(status, peak))
+    elif op == LEFTOVERS and leftovers is not None and isinstance(payload, list):
+        leftovers[:] = [str(folder) for folder in payload]
     else:
         raise EOFError(f"unexpected request {op!r}")
 
@@ -432,61 +291,13 @@ def _exists(pid: int) -> bool:
         return True
 
 
-# Where zygote and sandboxes run: not the caller's directory, so nothing a decoder
-# resolves against the working directory (a playlist's relative entry, say) lands among
-# the caller's files. Inputs reach the sandbox as absolute paths (decoders.inputs).
-NEUTRAL_DIRECTORY = "/"
-
-
-def _apply_preparation(prep: dict) -> None:
-    cwd = prep["cwd"]
-    # The caller's relative import paths ("" among them) and script keep meaning what they
-    # meant there once this process leaves that directory.
-    sys.path[:] = [os.path.join(cwd, entry) for entry in prep["sys_path"]]
-    sys.argv[:] = prep["argv"]
-    main = dict(prep["main"] or {})
-    if main.get("path"):
-        main["path"] = os.path.join(cwd, main["path"])
-    try:
-        os.chdir(NEUTRAL_DIRECTORY)
-    except OSError:
-        pass
-    sandbox.remember_caller_main(main)
-
-
-def _prepare_confinement(prep: dict) -> confine.Policy | None:
-    """Built once here, after the imports (which may write caches), applied in each sandbox."""
-    if not prep["confine"]:
-        return None
-    main_path = prep["main"].get("path")
-    return confine.prepare(prep["read_roots"], [os.path.dirname(main_path)] if main_path else [])
-
-
-def preload(names, still_wanted=lambda: True) -> None:
-    """Import ``names``; stop (exit) once ``still_wanted()`` says the caller is gone: a
-    short run must not leave seconds of imports behind it."""
-    for name in names:
-        if not still_wanted():
-            os._exit(0)
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # a missing optional decoder must not stop the sandbox
-            log.debug("swift_safe_media: preload of %s skipped: %s", name, exc)
-
-
-def _fork_is_safe() -> bool:
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return True
-
-
 def _start_sandbox(ours, prep, memory_cap_mb, policy, environment):
     caller_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    if not _fork_is_safe():
+    if not zygote_start.fork_is_safe():
         # A preloaded module started a thread: forking now could deadlock the child.
         log.warning("swift_safe_media: the zygote has threads; starting sandboxes by exec")
-        pid = _exec_sandbox(sandbox_end, prep, memory_cap_mb, environment)
+        pid = zygote_start.exec_sandbox(sandbox_end, dict(prep, confine=policy is not None), memory_cap_mb,
+                                        environment)
         sandbox_end.close()
         return pid, caller_end
     zygote = os.getpid()
@@ -496,39 +307,12 @@ def _start_sandbox(ours, prep, memory_cap_mb, policy, environment):
             for sock in ours:  # a sandbox must not accept, read or answer the zygote's callers
                 sock.close()
             caller_end.close()
-            _take_environment(environment)
+            zygote_start.take_environment(environment)
             sandbox.become_sandbox(sandbox_end, memory_cap_mb, zygote, policy)
         finally:
             os._exit(70)
     sandbox_end.close()
     return pid, caller_end
-
-
-def _take_environment(environment: dict) -> None:
-    """The caller's environment replaces the zygote's (the caller may have changed it)."""
-    if environment:
-        os.environ.clear()
-        os.environ.update(environment)
-
-
-def _exec_sandbox(sandbox_end, prep, memory_cap_mb, environment) -> int:
-    env = dict(environment or os.environ)
-    env.update({name: "1" for name in config.THREAD_ENV_VARS})  # its imports, as the zygote's
-    env[_PREP_ENV] = json.dumps(prep)
-    os.set_inheritable(sandbox_end.fileno(), True)
-    code = (f"from swift_safe_media.zygote import exec_sandbox_main; "
-            f"exec_sandbox_main({sandbox_end.fileno()}, {memory_cap_mb}, {os.getpid()})")
-    return os.posix_spawn(sys.executable, [sys.executable, "-c", code], env)
-
-
-def exec_sandbox_main(fd: int, memory_cap_mb: int, parent: int) -> None:
-    prep = json.loads(os.environ.pop(_PREP_ENV))
-    _apply_preparation(prep)
-    preload(prep["preload"])
-    try:
-        sandbox.become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent, _prepare_confinement(prep))
-    finally:
-        os._exit(70)
 
 
 # -- both sides -----------------------------------------------------------------------

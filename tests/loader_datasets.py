@@ -44,3 +44,13 @@ class StallingDataset(torch.utils.data.Dataset):
         if index == 3:
             sandboxed.hold_gil_on_locked_mutex()
         return index
+
+
+class HangingDataset(torch.utils.data.Dataset):
+    """Every item hangs in its sandbox, in a native call that holds the GIL."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return call(sandboxed.hold_gil_on_locked_mutex, path=f"/data/item{index}.mp4", timeout=600)

@@ -22,10 +22,25 @@ SCRIPT_BOUND_S = 60     # a refusal is a torch import plus ~0.1 s: seconds; boun
 SWIFT_BOUND_S = 150     # `swift sft` imports ms-swift, transformers and torch before it parses flags
 
 
+class _Envs(dict):
+    """Each broken environment, made when a test first asks for it; a test whose
+    environment cannot be made here (no LeRobot venv, say) is skipped, saying why."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, kind):
+        try:
+            self[kind] = broken_envs.make(kind, str(self.folder / kind))
+        except RuntimeError as exc:
+            pytest.skip(str(exc))
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def envs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("broken_envs")
-    return {kind: broken_envs.make(kind, str(folder / kind)) for kind in KINDS}
+    return _Envs(tmp_path_factory.mktemp("broken_envs"))
 
 
 def run(env_of, argv, *, env=None, timeout=300, cwd=None):
@@ -50,7 +65,9 @@ def assert_refused(kind, code, output):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_enable_in_a_script_refuses_at_once_naming_the_piece_and_the_fix(envs, kind):
-    code, elapsed, output = run(envs[kind], ["python", "-c", "import swift_safe_media; swift_safe_media.enable()"])
+    # The command line names an Omni model: ms-swift would load qwen_omni_utils for it.
+    code, elapsed, output = run(envs[kind], ["python", "-c", "import swift_safe_media; swift_safe_media.enable()",
+                                             *broken_envs.OMNI_ARGS])
     print(f"{kind}: refused in {elapsed:.1f} s")
     assert_refused(kind, code, output)
     assert "Traceback" not in output  # the message alone, not buried under the import machinery
@@ -147,10 +164,51 @@ def test_doctor_on_a_healthy_machine_shows_what_is_in_force(tmp_path):
     assert "protection can work here" in output
 
 
-@pytest.mark.parametrize("kind", KINDS)
+def test_without_audioread_a_run_of_another_model_is_warned_not_refused(envs, tmp_path):
+    """qwen_omni_utils cannot load, but only Omni models need it: named, with its fix."""
+    missing, fix = broken_envs.EXPECTED["no_audioread"]
+    code, _, output = run(envs["no_audioread"], ["python", "-c", "import swift_safe_media; swift_safe_media.enable(); "
+                                                 "print('enabled')", "--model_type", "qwen2_vl"])
+    assert code == 0 and "enabled" in output and "cannot protect" not in output, output[-3000:]
+    assert missing in output and fix in output, output[-3000:]
+    code, _, output = run(envs["no_audioread"], ["swift-safe-media", "doctor"], cwd=str(tmp_path))
+    assert code == 0, output[-3000:]
+    assert re.search(r"qwen_omni_utils\s+\S+.*\[BROKEN\]", output), output
+    assert f"warning: {missing}" in output and fix in output, output
+
+
+@pytest.mark.parametrize("kind", [kind for kind in KINDS if kind != "no_audioread"])
 def test_doctor_names_what_is_missing_and_exits_1(envs, kind, tmp_path):
     code, _, output = run(envs[kind], ["swift-safe-media", "doctor"], cwd=str(tmp_path))
     assert code == 1, output
     missing, fix = broken_envs.EXPECTED[kind]
     assert missing in output and fix in output, output
     assert re.search(r"\[(MISSING|BROKEN)\]", output), output
+
+
+# --- a CUDA build mismatch this machine cannot build (torch >= 2.11 for CUDA 12.8, or CPU-only) ----
+
+CUDA13_ERROR = ("/venv/torchcodec/libtorchcodec_core7.so: libnvrtc.so.13: cannot open shared object file: "
+                "No such file or directory")
+TORCH_CPU_ERROR = "/venv/torchcodec/libtorchcodec_core7.so: libc10_cuda.so: cannot open shared object file"
+
+
+@pytest.mark.parametrize("torch_version,cuda,error,build,index", [
+    ("2.12.0+cu128", "12.8", CUDA13_ERROR, "torch 2.12.0+cu128 is built for CUDA 12.8", "cu128"),
+    ("2.12.0+cpu", None, TORCH_CPU_ERROR, "torch 2.12.0+cpu is a CPU-only build", "cpu"),
+])
+def test_a_cuda_build_mismatch_of_a_stable_abi_torch_points_at_the_build_for_its_cuda(torch_version, cuda, error,
+                                                                                      build, index):
+    """From torch 2.11 on any torchcodec >= 0.12 fits, but PyPI's links PyPI's torch's CUDA:
+    the fix is the build for this torch's CUDA, from PyTorch's index."""
+    from swift_safe_media import preflight
+
+    found = preflight._cuda_mismatch(preflight.Finding("torchcodec", "0.17.0"), preflight.Finding("torch", torch_version),
+                                     cuda, preflight.torchcodec_requirement(torch_version), [(7, error)])
+    assert found.problem.startswith("CUDA build mismatch: torchcodec 0.17.0 is built for CUDA") and build in found.problem
+    assert "not the release" not in found.problem  # 0.17 fits this torch's ABI
+    assert found.fix.endswith(f'-m pip install "torchcodec>=0.12" --force-reinstall --index-url '
+                              f'https://download.pytorch.org/whl/{index}'), found.fix
+    assert preflight._cuda_mismatch(preflight.Finding("torchcodec", "0.17.0"), preflight.Finding("torch", torch_version),
+                                    cuda, "torchcodec>=0.12", [(7, "libavutil.so.59: cannot open shared object file")]) \
+        is None  # FFmpeg's libraries missing: not a CUDA matter

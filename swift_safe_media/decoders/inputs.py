@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from .. import config
+from ..engine import SharedTimeout
 from ..errors import MediaDecodeError
 from . import guards
 
@@ -26,10 +27,14 @@ _DATA_URI = re.compile(r"data:(.+?);base64,(.+)", re.DOTALL)
 
 
 @dataclass(frozen=True)
-class Source:
+class Source(SharedTimeout):
     kind: str            # "path", "url" or "bytes"
     value: str | bytes
     label: str           # names the input in error messages
+    # A URL's bytes: the decode ends by the deadline of the timeout its download began
+    # (engine.SharedTimeout): one timeout for the download and the decode together
+    deadline: float | None = None
+    timeout: float | None = None
 
     def __repr__(self):
         return f"Source({self.kind}, {self.label})"
@@ -150,8 +155,8 @@ def fetched(source: Source, limits: guards.Limits, timeout: float | None) -> Sou
         return source
     from .. import engine
 
-    data = engine.fetch(download, source.value, limits, timeout, path=source.label)
-    return Source("bytes", data, source.label)
+    data, deadline, shared = engine.fetch(download, source.value, limits, timeout, path=source.label)
+    return Source("bytes", data, source.label, deadline, shared)
 
 
 def materialize(source: Source, limits: guards.Limits, timeout: float | None) -> str | bytes:
