@@ -191,6 +191,53 @@ def template_state_without_model(template) -> dict:
     return state
 
 
+# --- templates that read their model in the workers -------------------------------------
+
+@dataclasses.dataclass
+class RunState:
+    """What this process's ms-swift run decided for the user (parse_args)."""
+    # The start method parse_args gave ms-swift's DataLoaders (the user named none), if any.
+    start_method_chosen_for_user: str | None = None
+    warned: set = dataclasses.field(default_factory=set)  # template classes named in a warning
+
+
+RUN = RunState()
+
+
+def worker_start_method(loader) -> str | None:
+    """``fork`` for a DataLoader whose template reads its model while it encodes (found by
+    :mod:`.swift_templates`), when the start method is the one protection chose: workers
+    started by spawn or a forkserver get the template without its model
+    (``Template.__getstate__``), so they fork from the trainer as stock ms-swift's do.
+    Their decodes still run in sandboxes forked from the clean zygote. A start method the
+    user named is kept (one warning)."""
+    from .. import spawn_guard
+    from . import swift_templates
+
+    method = spawn_guard.start_method(loader)
+    if method not in spawn_guard.RERUN_BY_CHILDREN:
+        return None
+    for template in swift_templates.templates_of(loader):
+        reads = swift_templates.needs_model_in_workers(template)
+        if not reads:
+            continue
+        ours = method == RUN.start_method_chosen_for_user and not config.is_set(config.MP_CONTEXT)
+        name = type(template).__name__
+        if name not in RUN.warned:
+            RUN.warned.add(name)
+            if ours:
+                log.warning(f"swift_safe_media: ms-swift's {name} reads the model while it encodes "
+                            f"({', '.join(reads)}), and DataLoader workers started by {method} get the template "
+                            f"without it; its DataLoader workers fork from the trainer, as stock ms-swift's "
+                            f"do. Every decode still runs in a sandbox of the clean zygote.")
+            else:
+                log.warning(f"swift_safe_media: ms-swift's {name} reads the model while it encodes "
+                            f"({', '.join(reads)}), and DataLoader workers started by {method}, the start "
+                            f"method named for this run, get the template without it (model=None)")
+        return "fork" if ours else None
+    return None
+
+
 # --- run summary ---------------------------------------------------------------------
 
 def callbacks_with_summary(stock_get_callbacks, trainer, args):
@@ -247,6 +294,7 @@ def parse_args(original, class_type, argv=None):
     if (env_state() and mp_context != "default" and _has_field(class_type, "dataloader_multiprocessing_context")
             and not _given(rest, _MP_FLAG)):
         rest += [_MP_FLAG, mp_context]
+        RUN.start_method_chosen_for_user = mp_context
     if (env_state() and _has_field(class_type, "dataloader_persistent_workers")
             and not _given(rest, _PERSISTENT_FLAG) and _argument(rest, "--dataloader_num_workers") != "0"):
         # Workers (each with its zygote and sandbox) start once per run, not at every
