@@ -9,10 +9,16 @@ with ``from ..vision_utils import load_audio`` (``swift.template.base``,
 template, so ms-swift's ``LazyLLMDataset`` takes another sample and its pre-tokenising
 ``map`` drops the row; one log line names the file, the reason and the elapsed time.
 
-Two methods are patched: ``LazyLLMDataset.__getitem__`` counts each row it
-tries against the error budget, and the trainer's ``_get_callbacks`` adds the summary
-callback. Once ms-swift has resolved its output directory, the quarantine registry
+Methods patched: ``LazyLLMDataset.__getitem__`` counts each row it tries against the
+error budget; the trainer's ``_get_callbacks`` adds the summary callback, and
+Megatron-SWIFT's ``BaseMegatronTrainer.call_event`` reports the summary as it logs. Once
+ms-swift (or Megatron-SWIFT) has resolved its output directory, the quarantine registry
 defaults to ``<output_dir>/safe_media/quarantine.jsonl``.
+
+DataLoader workers start by ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (``--dataloader_multiprocessing_context``
+is added for ms-swift's and Megatron-SWIFT's argument classes), except those of a
+template that reads its model while it encodes (:mod:`.swift_templates`), which fork
+from the trainer as stock ms-swift's do (:func:`worker_start_method`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ TARGETS = (
            "swift_safe_media.decoders.qwen:process_audio_info"),
     Target("swift.dataset.utils", "LazyLLMDataset.__getitem__", "getitem_within_budget"),
     Target("swift.trainers.mixin", "SwiftMixin._get_callbacks", "callbacks_with_summary"),
+    # Megatron-SWIFT's trainers have callbacks of their own (megatron sft / pt / rlhf).
+    Target("swift.megatron.trainers.base", "BaseMegatronTrainer.call_event", "megatron_event_with_summary"),
     # ms-swift 4.6 pickles templates without the model; 4.0-4.5 ship the whole model
     # (template.model is set for Qwen2-VL/Omni, Ovis, LLaVA, ...) to every spawned worker.
     Target("swift.template.base", "Template.__getstate__", "template_state_without_model", only_if_missing=True),
@@ -246,6 +254,19 @@ def callbacks_with_summary(stock_get_callbacks, trainer, args):
     return stock_get_callbacks(trainer, args) + [SummaryCallback()]
 
 
+def megatron_event_with_summary(stock_call_event, trainer, event, **kwargs):
+    """``BaseMegatronTrainer.call_event``: after the callbacks, every rank notes the
+    iteration it reached; rank 0 logs the summary at each logged step (``--log_interval``)
+    and at the end of training, and writes it next to the registry."""
+    result = stock_call_event(trainer, event, **kwargs)
+    if event in ("on_log", "on_train_end") and trainer.state is not None:
+        step = trainer.state.iteration
+        summary.note_step(step)
+        if int(os.environ.get("RANK", "0")) == 0:
+            summary.report(step=step, final=event == "on_train_end")
+    return result
+
+
 # --- flags ---------------------------------------------------------------------------
 
 FLAGS = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -325,7 +346,10 @@ def protect_run(args) -> None:
     import swift_safe_media
 
     training = getattr(args, "training_args", None)
-    output_dir = getattr(training, "output_dir", None)
+    # ms-swift's own trainers read transformers' TrainingArguments; Megatron-SWIFT's
+    # training arguments are all in one class (the one with DataLoader workers).
+    trains = training if training is not None else args if hasattr(args, "dataloader_num_workers") else None
+    output_dir = getattr(trains, "output_dir", None)
     # Inference and export have no DataLoader workers: no warm forkserver for them.
     process.current().dataloader_workers_expected = bool(getattr(training or args, "dataloader_num_workers", 0))
     registry = None
