@@ -81,7 +81,7 @@ cases = json.loads(sys.argv[1])
 if os.environ.get("BENCH_FORK_PER_CALL"):
     sys.path.insert(0, os.environ["BENCH_DIR"])
     from upstream import fork_per_call
-    for _, func, _ in cases:
+    for func in {func for _, func, _ in cases}:
         setattr(vu, func, fork_per_call(getattr(vu, func), float(os.environ["BENCH_FORK_PER_CALL"])))
 
 def reset():
@@ -143,12 +143,15 @@ def fork_per_call(func, timeout: float):
     call runs in a child forked for it (``multiprocessing``'s fork context), killed after
     ``timeout`` s. Written here from the PR's description, to measure the design."""
     import multiprocessing
+    import pickle
 
     def child(connection, args):
+        # Plain pickle: torch's own sharing of tensors through a pipe needs the child alive
+        # until the parent has read them, and this child exits at once.
         try:
-            connection.send((True, func(*args)))
+            connection.send_bytes(pickle.dumps((True, func(*args))))
         except BaseException as exc:  # noqa: BLE001 - handed to the parent
-            connection.send((False, exc))
+            connection.send_bytes(pickle.dumps((False, exc)))
 
     def bounded(*args):
         context = multiprocessing.get_context("fork")
@@ -160,7 +163,7 @@ def fork_per_call(func, timeout: float):
             process.kill()
             process.join()
             raise TimeoutError(f"{func.__name__}{args} did not finish within {timeout} s")
-        ok, value = receive.recv()
+        ok, value = pickle.loads(receive.recv_bytes())
         process.join()
         if not ok:
             raise value
