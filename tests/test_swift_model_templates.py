@@ -74,8 +74,9 @@ def test_every_template_reading_its_model_in_workers_is_found():
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory):
-    """Three PNGs (ms-swift loads images itself) and three H.264 clips (CogVLM2-Video's
-    load_video_cogvlm2: decord stock, a sandbox protected)."""
+    """Three PNGs (ms-swift loads images itself), three H.264 clips (CogVLM2-Video's
+    load_video_cogvlm2: decord stock, a sandbox protected) and three 16 kHz WAVs
+    (Qwen2.5-Omni's load_audio: librosa stock, a sandbox protected)."""
     from PIL import Image
     import numpy as np
 
@@ -85,12 +86,23 @@ def media(tmp_path_factory):
         Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"img_{index}.png")
         _ffmpeg("-f", "lavfi", "-i", f"testsrc2=size=64x48:rate=10:duration={2 + index}",
                 "-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p", str(folder / f"clip_{index}.mp4"))
+        _ffmpeg("-f", "lavfi", "-i", f"sine=frequency={300 + 100 * index}:sample_rate=16000:duration=1",
+                "-c:a", "pcm_s16le", str(folder / f"tone_{index}.wav"))
     return folder
 
 
-def run(mode, out, media, warm_start=True):
-    done = run_python(module="tests.programs.model_templates", args=[mode, out, media], cwd="/", timeout=240,
-                      env=clean_environment(pythonpath=[ROOT], warm_start=warm_start))
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    from . import tiny_models
+
+    return tiny_models.build(str(tmp_path_factory.mktemp("omni") / "tiny_qwen2_5_omni"))
+
+
+def run(mode, out, media, omni=None, warm_start=True):
+    args = [mode, out, media] + ([omni] if omni else [])
+    done = run_python(module="tests.programs.model_templates", args=args, cwd="/", timeout=300,
+                      env=clean_environment({"HF_HUB_OFFLINE": "1", "MODELSCOPE_OFFLINE": "1"}, pythonpath=[ROOT],
+                                            warm_start=warm_start))
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {line["template"]: line for line in lines}, done.stderr
 
@@ -113,11 +125,15 @@ def assert_same(stock, protected, where):
 
 
 @pytest.mark.timeout(600)
-def test_protected_workers_encode_what_stock_workers_do(media, tmp_path):
-    stock, _ = run("stock", tmp_path, media, warm_start=False)
-    protected, log = run("protected", tmp_path, media)
+def test_protected_workers_encode_what_stock_workers_do(media, omni, tmp_path):
+    stock, _ = run("stock", tmp_path, media, omni, warm_start=False)
+    protected, log = run("protected", tmp_path, media, omni)
     families = ("minicpmv", "ovis1_6", "cogvlm2", "cogvlm2_video", "ixcomposer2")
-    assert set(stock) == set(protected) == set(families)
+    assert set(stock) == set(protected) == set(families) | {"qwen2_5_omni"}
+    # Qwen2.5-Omni reaches its model through _get_model(): its workers keep the forkserver.
+    assert protected["qwen2_5_omni"]["none_forked_from_trainer"] and protected["qwen2_5_omni"]["rows"] == 3
+    assert stock["qwen2_5_omni"]["forked_from_trainer"] and protected["qwen2_5_omni"]["sandboxed_decodes"]
+    assert "Qwen2_5OmniTemplate reads the model" not in log
     for family in families:
         assert stock[family]["rows"] == protected[family]["rows"] == 3
         assert protected[family]["start_method"] == "forkserver"  # what ms-swift's DataLoader was given

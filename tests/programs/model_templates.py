@@ -1,10 +1,13 @@
 """ms-swift's real templates that read their model while they encode, through a real
 DataLoader with workers, stock and protected.
 
-``python -m tests.programs.model_templates MODE OUT MEDIA`` builds each template of
+``python -m tests.programs.model_templates MODE OUT MEDIA [OMNI]`` builds each template of
 :data:`FAMILIES` (ms-swift's own class and template meta, over a small byte-level
 tokenizer and the family's real ``ModelMeta``) with a stand-in model that carries what the
-template's ``_encode`` calls (no weights: no hub here), encodes ``MEDIA``'s rows in a
+template's ``_encode`` calls (no weights: no hub here), and, given the tiny Qwen2.5-Omni's
+folder ``OMNI``, that model's own template with the model itself (a template that reaches its
+model only through ms-swift's ``_get_model()``: protected workers keep the forkserver and
+build ms-swift's dummy model). It encodes ``MEDIA``'s rows in a
 DataLoader with two workers, strict (a row that fails raises), and writes the batches to
 ``OUT/MODE.pt`` and one JSON line per template: the start method the workers were given,
 whether they forked from this process, and what each worker decoded in a sandbox.
@@ -32,8 +35,6 @@ import numpy as np
 import torch
 
 from swift.utils import parse_args
-
-TRAINER = os.getpid()
 
 
 @dataclasses.dataclass
@@ -112,6 +113,7 @@ FAMILIES = [
     Family("cogvlm2_video", "cogvlm2_video", Cog, "video", ("<|reserved_special_token_0|>",)),
     Family("ixcomposer2", "xcomposer2", XComposer2, "image", ("[UNUSED_TOKEN_146]", "[UNUSED_TOKEN_145]")),
 ]
+OMNI = Family("qwen2_5_omni", "qwen2_5_omni", None, "image+audio")
 
 
 # --- ms-swift's templates over a small tokenizer ---------------------------------------
@@ -131,9 +133,23 @@ def tokenizer(specials):
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def omni_template(model_dir: str):
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from swift.model import get_processor
+    from swift.template import get_template
+
+    template = get_template(get_processor(model_dir, model_type="qwen2_5_omni", download_model=False))
+    template.set_mode("train")
+    template.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir)  # as ms-swift's sft does
+    return template
+
+
 def template_for(family: Family, model_dir: str):
     from transformers import PretrainedConfig
 
+    if family is OMNI:
+        return omni_template(model_dir)
     from swift.model import MODEL_MAPPING
     from swift.model.model_meta import ModelInfo
     from swift.template import get_template
@@ -150,6 +166,13 @@ def template_for(family: Family, model_dir: str):
 
 
 def rows(family: Family, media: str) -> list[dict]:
+    if family is OMNI:  # a picture and a 16 kHz WAV per row
+        pictures = sorted(name for name in os.listdir(media) if name.endswith(".png"))
+        sounds = sorted(name for name in os.listdir(media) if name.endswith(".wav"))
+        return [{"messages": [{"role": "user", "content": "<image><audio>What is in them?"},
+                              {"role": "assistant", "content": f"pattern {index}"}],
+                 "images": [os.path.join(media, picture)], "audios": [os.path.join(media, sound)]}
+                for index, (picture, sound) in enumerate(zip(pictures, sounds))]
     found = sorted(name for name in os.listdir(media) if name.endswith(".png" if family.media == "image" else ".mp4"))
     key = "images" if family.media == "image" else "videos"
     return [{"messages": [{"role": "user", "content": f"<{family.media}>What is in it?"},
@@ -163,6 +186,7 @@ class Probed(torch.utils.data.Dataset):
 
     def __init__(self, dataset):
         self.dataset = dataset
+        self.trainer = os.getpid()  # pickled with the dataset: a worker compares its parent with it
 
     def __len__(self):
         return len(self.dataset)
@@ -170,7 +194,7 @@ class Probed(torch.utils.data.Dataset):
     def __getitem__(self, index):
         encoded = self.dataset[index]
         from swift_safe_media import process
-        encoded["_worker"] = {"forked_from_trainer": os.getppid() == TRAINER,
+        encoded["_worker"] = {"forked_from_trainer": os.getppid() == self.trainer,
                               "sandboxed_decodes": bool(process.current().engines)}
         return encoded
 
@@ -195,7 +219,7 @@ def encode_all(family: Family, media: str, model_dir: str, start_method):
     return batches, where
 
 
-def main(mode: str, out: str, media: str) -> None:
+def main(mode: str, out: str, media: str, omni: str | None = None) -> None:
     start_method = None
     if mode != "stock":
         argv = ["--safe_media", "true"]
@@ -204,18 +228,21 @@ def main(mode: str, out: str, media: str) -> None:
         args, _ = parse_args(TrainArgs, argv)
         start_method = args.dataloader_multiprocessing_context
     results = {}
-    for family in FAMILIES[:1] if mode == "named_forkserver" else FAMILIES:
+    families = FAMILIES[:1] if mode == "named_forkserver" else FAMILIES + ([OMNI] if omni else [])
+    for family in families:
         try:
-            batches, where = encode_all(family, media, os.path.join(out, "model"), start_method)
+            batches, where = encode_all(family, media, omni if family is OMNI else os.path.join(out, "model"),
+                                        start_method)
         except Exception as exc:  # the failure a worker without the model meets, as the trainer sees it
             print(json.dumps({"template": family.template_type, "error": f"{type(exc).__name__}: {exc}"}))
             continue
         results[family.template_type] = batches
         print(json.dumps({"template": family.template_type, "start_method": start_method, "rows": len(where),
                           "forked_from_trainer": all(item["forked_from_trainer"] for item in where),
+                          "none_forked_from_trainer": not any(item["forked_from_trainer"] for item in where),
                           "sandboxed_decodes": any(item["sandboxed_decodes"] for item in where)}))
     torch.save(results, os.path.join(out, f"{mode}.pt"))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
