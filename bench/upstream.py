@@ -75,9 +75,14 @@ def patched_copy(pristine: Path, series: str) -> Path:
 # Each variant runs in its own long-lived interpreter and serves one timed call per request, so the
 # controller can interleave the variants call by call: load on a shared machine then hits all alike.
 SWIFT_SERVE = r"""
-import json, sys, time
+import json, os, sys, time
 from swift.template import vision_utils as vu
 cases = json.loads(sys.argv[1])
+if os.environ.get("BENCH_FORK_PER_CALL"):
+    sys.path.insert(0, os.environ["BENCH_DIR"])
+    from upstream import fork_per_call
+    for func in {func for _, func, _ in cases}:
+        setattr(vu, func, fork_per_call(getattr(vu, func), float(os.environ["BENCH_FORK_PER_CALL"])))
 
 def reset():
     # Stock load_video_cogvlm2/_valley switch decord's global bridge to torch, after which stock
@@ -130,6 +135,64 @@ raised = time.perf_counter() - t
 t = time.perf_counter()
 vu.load_audio(good, 16000)
 print("RESULT " + json.dumps({"raised_after_s": raised, "next_call_s": time.perf_counter() - t}), flush=True)
+"""
+
+
+def fork_per_call(func, timeout: float):
+    """A bound on ``func`` in the shape ms-swift PR #9541 proposes for ``load_audio``: each
+    call runs in a child forked for it (``multiprocessing``'s fork context), killed after
+    ``timeout`` s. Written here from the PR's description, to measure the design."""
+    import multiprocessing
+    import pickle
+
+    def child(connection, args):
+        # Plain pickle: torch's own sharing of tensors through a pipe needs the child alive
+        # until the parent has read them, and this child exits at once.
+        try:
+            connection.send_bytes(pickle.dumps((True, func(*args))))
+        except BaseException as exc:  # noqa: BLE001 - handed to the parent
+            connection.send_bytes(pickle.dumps((False, exc)))
+
+    def bounded(*args):
+        context = multiprocessing.get_context("fork")
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=child, args=(send, args), daemon=True)
+        process.start()
+        send.close()
+        if not receive.poll(timeout):
+            process.kill()
+            process.join()
+            raise TimeoutError(f"{func.__name__}{args} did not finish within {timeout} s")
+        ok, value = pickle.loads(receive.recv_bytes())
+        process.join()
+        if not ok:
+            raise value
+        return value
+
+    return bounded
+
+
+# A DataLoader worker is a daemonic process, and multiprocessing refuses children to those.
+IN_A_DATALOADER_WORKER = r"""
+import json, sys, os
+sys.path.insert(0, os.environ["BENCH_DIR"])
+import torch
+from swift.template import vision_utils as vu
+from upstream import fork_per_call
+
+class Clips(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        try:
+            return {"shape": list(fork_per_call(vu.load_audio, 60)(sys.argv[1], 16000).shape)}
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+loader = torch.utils.data.DataLoader(Clips(), batch_size=None, num_workers=1, multiprocessing_context="fork")
+print("RESULT " + json.dumps({"in_process": list(fork_per_call(vu.load_audio, 60)(sys.argv[1], 16000).shape),
+                              "in_a_worker": next(iter(loader))}), flush=True)
 """
 
 
@@ -227,6 +290,8 @@ def main():
             ("patched, SWIFT_MEDIA_DECODE_TIMEOUT=60", patched, {"SWIFT_MEDIA_DECODE_TIMEOUT": "60"}),
             ("patched, timeout + torchcodec", patched, {"SWIFT_MEDIA_DECODE_TIMEOUT": "60",
                                                         "SWIFT_VIDEO_BACKEND": "torchcodec"}),
+            ("stock, a fork per call (#9541's design)", stock, {"BENCH_FORK_PER_CALL": "60",
+                                                                "BENCH_DIR": str(Path(__file__).parent)}),
         ]
         servers = {name: Server(tree, SWIFT_SERVE, [cases], env) for name, tree, env in variants}
         results = interleaved(servers, list(range(len(video_cases + audio_cases))), args.repeats)
@@ -243,6 +308,9 @@ def main():
                       {"SWIFT_MEDIA_DECODE_TIMEOUT": "5"})
         print(f"timeout 5 s on a stuck input: raised after {ktr['raised_after_s']:.2f} s; "
               f"next call on the replacement worker {ktr['next_call_s']:.2f} s")
+        worker = measure(stock, IN_A_DATALOADER_WORKER, [str(media["wav"])], {"BENCH_DIR": str(Path(__file__).parent)})
+        print(f"a fork per call, load_audio WAV: in the trainer {worker['in_process']}; "
+              f"in a DataLoader worker {worker['in_a_worker']}")
 
     if args.only in (None, "lerobot"):
         stock = sdist_tree("lerobot", "0.4.4", work)

@@ -9,10 +9,16 @@ with ``from ..vision_utils import load_audio`` (``swift.template.base``,
 template, so ms-swift's ``LazyLLMDataset`` takes another sample and its pre-tokenising
 ``map`` drops the row; one log line names the file, the reason and the elapsed time.
 
-Two methods are patched: ``LazyLLMDataset.__getitem__`` counts each row it
-tries against the error budget, and the trainer's ``_get_callbacks`` adds the summary
-callback. Once ms-swift has resolved its output directory, the quarantine registry
+Methods patched: ``LazyLLMDataset.__getitem__`` counts each row it tries against the
+error budget; the trainer's ``_get_callbacks`` adds the summary callback, and
+Megatron-SWIFT's ``BaseMegatronTrainer.call_event`` reports the summary as it logs. Once
+ms-swift (or Megatron-SWIFT) has resolved its output directory, the quarantine registry
 defaults to ``<output_dir>/safe_media/quarantine.jsonl``.
+
+DataLoader workers start by ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (``--dataloader_multiprocessing_context``
+is added for ms-swift's and Megatron-SWIFT's argument classes), except those of a
+template that reads its model while it encodes (:mod:`.swift_templates`), which fork
+from the trainer as stock ms-swift's do (:func:`worker_start_method`).
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ TARGETS = (
            "swift_safe_media.decoders.qwen:process_audio_info"),
     Target("swift.dataset.utils", "LazyLLMDataset.__getitem__", "getitem_within_budget"),
     Target("swift.trainers.mixin", "SwiftMixin._get_callbacks", "callbacks_with_summary"),
+    # Megatron-SWIFT's trainers have callbacks of their own (megatron sft / pt / rlhf).
+    Target("swift.megatron.trainers.base", "BaseMegatronTrainer.call_event", "megatron_event_with_summary"),
     # ms-swift 4.6 pickles templates without the model; 4.0-4.5 ship the whole model
     # (template.model is set for Qwen2-VL/Omni, Ovis, LLaVA, ...) to every spawned worker.
     Target("swift.template.base", "Template.__getstate__", "template_state_without_model", only_if_missing=True),
@@ -191,12 +199,72 @@ def template_state_without_model(template) -> dict:
     return state
 
 
+# --- templates that read their model in the workers -------------------------------------
+
+@dataclasses.dataclass
+class RunState:
+    """What this process's ms-swift run decided for the user (parse_args)."""
+    # The start method parse_args gave ms-swift's DataLoaders (the user named none), if any.
+    start_method_chosen_for_user: str | None = None
+    warned: set = dataclasses.field(default_factory=set)  # template classes named in a warning
+
+
+RUN = RunState()
+
+
+def worker_start_method(loader) -> str | None:
+    """``fork`` for a DataLoader whose template reads its model while it encodes (found by
+    :mod:`.swift_templates`), when the start method is the one protection chose: workers
+    started by spawn or a forkserver get the template without its model
+    (``Template.__getstate__``), so they fork from the trainer as stock ms-swift's do.
+    Their decodes still run in sandboxes forked from the clean zygote. A start method the
+    user named is kept (one warning)."""
+    from .. import spawn_guard
+    from . import swift_templates
+
+    method = spawn_guard.start_method(loader)
+    if method not in spawn_guard.RERUN_BY_CHILDREN:
+        return None
+    for template in swift_templates.templates_of(loader):
+        reads = swift_templates.needs_model_in_workers(template)
+        if not reads:
+            continue
+        ours = method == RUN.start_method_chosen_for_user and not config.is_set(config.MP_CONTEXT)
+        name = type(template).__name__
+        if name not in RUN.warned:
+            RUN.warned.add(name)
+            if ours:
+                log.warning(f"swift_safe_media: ms-swift's {name} reads the model while it encodes "
+                            f"({', '.join(reads)}), and DataLoader workers started by {method} get the template "
+                            f"without it; its DataLoader workers fork from the trainer, as stock ms-swift's "
+                            f"do. Every decode still runs in a sandbox of the clean zygote.")
+            else:
+                log.warning(f"swift_safe_media: ms-swift's {name} reads the model while it encodes "
+                            f"({', '.join(reads)}), and DataLoader workers started by {method}, the start "
+                            f"method named for this run, get the template without it (model=None)")
+        return "fork" if ours else None
+    return None
+
+
 # --- run summary ---------------------------------------------------------------------
 
 def callbacks_with_summary(stock_get_callbacks, trainer, args):
     from ..trainer_callback import SummaryCallback
 
     return stock_get_callbacks(trainer, args) + [SummaryCallback()]
+
+
+def megatron_event_with_summary(stock_call_event, trainer, event, **kwargs):
+    """``BaseMegatronTrainer.call_event``: after the callbacks, every rank notes the
+    iteration it reached; rank 0 logs the summary at each logged step (``--log_interval``)
+    and at the end of training, and writes it next to the registry."""
+    result = stock_call_event(trainer, event, **kwargs)
+    if event in ("on_log", "on_train_end") and trainer.state is not None:
+        step = trainer.state.iteration
+        summary.note_step(step)
+        if int(os.environ.get("RANK", "0")) == 0:
+            summary.report(step=step, final=event == "on_train_end")
+    return result
 
 
 # --- flags ---------------------------------------------------------------------------
@@ -247,6 +315,7 @@ def parse_args(original, class_type, argv=None):
     if (env_state() and mp_context != "default" and _has_field(class_type, "dataloader_multiprocessing_context")
             and not _given(rest, _MP_FLAG)):
         rest += [_MP_FLAG, mp_context]
+        RUN.start_method_chosen_for_user = mp_context
     if (env_state() and _has_field(class_type, "dataloader_persistent_workers")
             and not _given(rest, _PERSISTENT_FLAG) and _argument(rest, "--dataloader_num_workers") != "0"):
         # Workers (each with its zygote and sandbox) start once per run, not at every
@@ -277,7 +346,10 @@ def protect_run(args) -> None:
     import swift_safe_media
 
     training = getattr(args, "training_args", None)
-    output_dir = getattr(training, "output_dir", None)
+    # ms-swift's own trainers read transformers' TrainingArguments; Megatron-SWIFT's
+    # training arguments are all in one class (the one with DataLoader workers).
+    trains = training if training is not None else args if hasattr(args, "dataloader_num_workers") else None
+    output_dir = getattr(trains, "output_dir", None)
     # Inference and export have no DataLoader workers: no warm forkserver for them.
     process.current().dataloader_workers_expected = bool(getattr(training or args, "dataloader_num_workers", 0))
     registry = None
