@@ -13,7 +13,7 @@ import io
 import math
 
 from ..errors import MediaDecodeError, is_out_of_memory
-from . import demuxers, guards, inputs
+from . import demuxers, families, guards, inputs
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
 _SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
@@ -44,16 +44,48 @@ def _read_soundfile(label, data, limits, offset, duration):
     return samples, native_sr
 
 
-def _read_torchcodec(label, data, limits, offset, duration):
+def _open_audio(label, data, stream_index=None):
     from torchcodec.decoders import AudioDecoder
 
     pinned = demuxers.for_torchcodec(label, data)  # the file opened here, the demuxer checked
     try:
-        decoder = AudioDecoder(pinned)
+        return AudioDecoder(pinned, stream_index=stream_index)
     except Exception as exc:
         if "audio stream" in str(exc).lower():
             raise MediaDecodeError(label, "no audio stream") from None
         raise MediaDecodeError(label, f"cannot open audio: {_reason(exc)}") from None
+
+
+def _audio_streams(label, data, decoder, rule):
+    """(the input's audio streams, FFmpeg's best one) as ``families.pick_audio`` wants
+    them; ([], None) where this torchcodec does not tell. Dispositions are read with PyAV,
+    and only where there is a choice to make by them."""
+    try:
+        from torchcodec import _core
+
+        container = _core.get_container_metadata(decoder._decoder)
+    except Exception:
+        return [], None
+    streams = [families.StreamInfo(s.stream_index, float(s.bit_rate or 0), channels=s.num_channels or 0)
+               for s in container.streams if type(s).__name__ == "AudioStreamMetadata"]
+    if len(streams) > 1 and rule == families.COMMAND_LINE:
+        try:
+            with demuxers.open_pyav(label, data) as pyav_container:
+                default = {s.index: bool(s.disposition & 1) for s in pyav_container.streams.audio}
+            streams = [families.StreamInfo(s.index, s.bit_rate, channels=s.channels, default=default.get(s.index))
+                       for s in streams]
+        except Exception:  # no PyAV: the most channels, then the first
+            pass
+    return streams, container.best_audio_stream_index
+
+
+def _read_torchcodec(label, data, limits, offset, duration, rule=families.COMMAND_LINE):
+    decoder = _open_audio(label, data)
+    streams, best = _audio_streams(label, data, decoder, rule)
+    if len(streams) > 1:
+        wanted = families.pick_audio(streams, rule, best)
+        if wanted is not None and wanted != decoder.stream_index:
+            decoder = _open_audio(label, data, wanted)
     native_sr = decoder.metadata.sample_rate
     header_seconds = decoder.metadata.duration_seconds_from_header
     if duration is None and header_seconds:
@@ -92,14 +124,16 @@ def resample(y, native_sr: int, target_sr: int):
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def decode(label, data, limits, offset=0.0, duration=None):
-    """(float32 samples at the native rate, native rate, decoded by soundfile?)."""
+def decode(label, data, limits, offset=0.0, duration=None, rule=families.COMMAND_LINE):
+    """(float32 samples at the native rate, native rate, decoded by soundfile?). `rule`:
+    which audio stream of a container with several (``families.pick_audio``): librosa's
+    audioread pipe takes what the ffmpeg command line maps, PyAV's users the first."""
     kind = guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
     if kind in _SOUNDFILE_CONTAINERS:
         result = _read_soundfile(label, data, limits, offset, duration)
         if result is not None:
             return (*result, True)
-    return (*_read_torchcodec(label, data, limits, offset, duration), False)
+    return (*_read_torchcodec(label, data, limits, offset, duration, rule), False)
 
 
 def _head(path: str) -> bytes:
@@ -125,7 +159,7 @@ def load_soundfile_pyav(source: inputs.Source, limits: guards.Limits, url_timeou
     import numpy as np
 
     data = inputs.materialize(source, limits, url_timeout)
-    y, native_sr, by_soundfile = decode(source.label, data, limits)
+    y, native_sr, by_soundfile = decode(source.label, data, limits, rule=families.FIRST)
     if by_soundfile:
         if mono and y.ndim > 1:
             y = np.mean(y, axis=0)
