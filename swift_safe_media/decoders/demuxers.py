@@ -58,6 +58,7 @@ ALLOWED = {
     "y4m": ("yuv4mpegpipe",),
     "nut": ("nut",),
     "voc": ("voc",),
+    "musepack": ("mpc", "mpc8"),
     "amr/au/wavpack/ape": ("amr", "au", "wv", "ape"),
 }
 

@@ -107,8 +107,7 @@ class PyAVVideo:
             raise MediaDecodeError(self.label, f"cannot read video packets: {_reason(exc)}") from None
         finally:
             container.close()
-        self._times = sorted(times)
-        self.info = self._info(len(self._times), self._times[0] if self._times else 0.0, end, nominal)
+        self.info = self._info(len(times), min(times) if times else 0.0, end, nominal)
         if self.info.num_frames <= 0:
             raise MediaDecodeError(self.label, "no decodable video frames")
         self._nominal = nominal
@@ -125,36 +124,43 @@ class PyAVVideo:
             width, height = height, width
         return VideoInfo(count, float(fps), float(duration or count / fps), width, height, nominal or float(fps))
 
-    def index_of_time(self, seconds: float) -> int:
-        """Index of the frame on screen at `seconds` (the last one shown at or before it)."""
-        import bisect
+    def _array(self, frame):
+        array = frame.to_ndarray(format="rgb24")
+        return _rotate(array, self.rotation) if self._rotated else array
 
-        return max(0, bisect.bisect_right(self._times, seconds + 1e-9) - 1)
-
-    def decode(self, indices) -> tuple[object, int]:
-        """(uint8 array (N, H, W, 3) of the frames at `indices`, frames the stream really
-        holds). Decodes every frame: the count is checked on the way."""
+    def decode(self, indices=None, seconds=None) -> tuple[object, int]:
+        """(uint8 array (N, H, W, 3) of the frames at `indices`, or of the frames on
+        screen `seconds` after the first one, and the frames the stream really holds).
+        Decodes every frame: the count is checked on the way."""
         import numpy as np
 
         wanted = {}
-        for position, index in enumerate(indices):
+        for position, index in enumerate(indices or ()):
             wanted.setdefault(int(index), []).append(position)
-        out = [None] * len(indices)
+        # Times in order, each answered by the last frame shown at or before it.
+        timed = sorted(range(len(seconds or ())), key=lambda k: seconds[k])
+        out = [None] * (len(indices) if indices is not None else len(seconds))
         container, stream = self._open()
-        count = 0
+        count, previous, start = 0, None, None
         try:
             for frame in container.decode(stream):
                 if count == 0 and not self._rotation_known:
                     self.rotation = float(getattr(frame, "rotation", 0) or 0)
                     self._rotation_known = True
+                if timed:
+                    shown = frame.time if frame.time is not None else count / (self._nominal or 1.0)
+                    start = shown if start is None else start
+                    while timed and previous is not None and start + seconds[timed[0]] + 1e-9 < shown:
+                        out[timed.pop(0)] = self._array(previous)
+                    previous = frame
                 positions = wanted.get(count)
                 if positions:
-                    array = frame.to_ndarray(format="rgb24")
-                    if self._rotated:
-                        array = _rotate(array, self.rotation)
+                    array = self._array(frame)
                     for position in positions:
                         out[position] = array
                 count += 1
+            while timed and previous is not None:
+                out[timed.pop(0)] = self._array(previous)
         except MediaDecodeError:
             raise
         except Exception as exc:
@@ -163,9 +169,9 @@ class PyAVVideo:
             raise MediaDecodeError(self.label, f"decode failed (PyAV): {_reason(exc)}") from None
         finally:
             container.close()
-        missing = [i for i, frame in zip(indices, out) if frame is None]
-        if missing and count > max(int(i) for i in indices):
-            raise MediaDecodeError(self.label, f"frame {missing[0]} did not decode")
+        missing = [k for k, frame in enumerate(out) if frame is None]
+        if missing and indices is not None and count > max(int(i) for i in indices):
+            raise MediaDecodeError(self.label, f"frame {indices[missing[0]]} did not decode")
         return (np.stack(out) if not missing else None), count
 
     def recount(self, count: int) -> None:
@@ -176,6 +182,3 @@ class PyAVVideo:
         info = self.info
         fps = count / info.duration if info.duration > 0 else info.fps
         self.info = VideoInfo(count, float(fps), info.duration, info.width, info.height, info.nominal_fps)
-        if len(self._times) > count:  # two packets per frame: every other time is a frame's
-            step = len(self._times) / count
-            self._times = [self._times[int(i * step)] for i in range(count)]

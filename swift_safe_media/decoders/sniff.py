@@ -36,6 +36,8 @@ _MAGIC = (
     (b"YUV4MPEG2 ", "y4m"),
     (b"nut/multimedia container\x00", "nut"),
     (b"Creative Voice File\x1a", "voc"),
+    (b"MPCK", "musepack"),  # Musepack SV8
+    (b"MP+", "musepack"),  # Musepack SV7
 )
 
 

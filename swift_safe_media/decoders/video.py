@@ -190,27 +190,44 @@ class TorchcodecVideo:
                                                    f"decodable frames")
         step = step or max(1, len(picked))
         for start in range(0, len(picked), step):
-            chunk = picked[start:start + step]
+            chunk, probe = picked[start:start + step], False
             try:
                 if by_time:
+                    # moviepy's times count from the stream's start (ffmpeg -ss), not from 0:
+                    # an MPEG-TS or program stream starts later.
                     meta = self.decoder.metadata
                     first, last = meta.begin_stream_seconds or 0.0, meta.end_stream_seconds or self.info.duration
-                    times = [min(max(float(t), first), math.nextafter(last, first)) for t in chunk]
+                    times = [min(max(first + float(t), first), math.nextafter(last, first)) for t in chunk]
                     batch = self.decoder.get_frames_played_at(times)
                 else:
-                    batch = self.decoder.get_frames_at(chunk)
+                    # Index 0 is always asked for too, once: the frame that comes back for it
+                    # must be the stream's first, or every index is off (``_check_times``).
+                    probe = start == 0 and 0 not in chunk and self._begin is not None
+                    batch = self.decoder.get_frames_at([0, *chunk] if probe else chunk)
             except Exception as exc:
                 if is_out_of_memory(exc):
                     raise MemoryError(f"decoding {len(chunk)} frames of {self.info.width}x{self.info.height}: "
                                       f"{_reason(exc)}") from None
                 raise Untrusted(f"torchcodec failed: {_reason(exc)}", self.stream_index, self.rotation) from None
-            if not by_time:
-                self._check_times(chunk, batch.pts_seconds.tolist())
             frames = batch.data.numpy()
+            if by_time:
+                self._check_played(times, batch.pts_seconds.tolist(), batch.duration_seconds.tolist())
+            elif probe:
+                self._check_times([0, *chunk], batch.pts_seconds.tolist())
+                frames = frames[1:]
+            else:
+                self._check_times(chunk, batch.pts_seconds.tolist())
             turns = self._unturn()
             if turns:
                 frames = np.ascontiguousarray(np.rot90(frames, k=-turns, axes=(1, 2)))
             consume(start, frames)
+
+    def _check_played(self, wanted, times, durations) -> None:
+        """Each frame that came back for a time must be on screen at that time."""
+        for at, start, length in zip(wanted, times, durations):
+            if not start - 1e-6 <= at < start + max(length, 0.0) + 1e-6:
+                raise Untrusted(f"torchcodec returned the frame shown from {start:.3f} s for the time {at:.3f} s",
+                                self.stream_index, self.rotation)
 
     def _check_times(self, indices, times) -> None:
         """The frames that came back must be the ones asked for: a later index shows a
@@ -257,16 +274,17 @@ class PyAVReader:
         return MediaDecodeError(self.label, f"{self.why}; PyAV could not decode it either: {exc.reason}")
 
     def decode_into(self, picked, consume, step: int | None = None) -> None:
+        indices = seconds = None
         if isinstance(picked, Seconds):
-            indices = [self.video.index_of_time(float(t)) for t in picked]
+            seconds = [float(t) for t in picked]
         else:
             indices = [int(i) for i in picked]
-        bad = [i for i in indices if not 0 <= i < self.info.num_frames]
-        if bad:
-            raise MediaDecodeError(self.label, f"frame index {bad[0]} outside the {self.info.num_frames} "
-                                               f"decodable frames")
+            bad = [i for i in indices if not 0 <= i < self.info.num_frames]
+            if bad:
+                raise MediaDecodeError(self.label, f"frame index {bad[0]} outside the {self.info.num_frames} "
+                                                   f"decodable frames")
         try:
-            frames, count = self.video.decode(indices)
+            frames, count = self.video.decode(indices, seconds)
         except MediaDecodeError as exc:
             raise self._failed(exc) from None
         if count != self.info.num_frames:
@@ -275,8 +293,8 @@ class PyAVReader:
             self.video.recount(count)
             self.info = self.video.info
             raise Recounted()
-        step = step or max(1, len(indices))
-        for start in range(0, len(indices), step):
+        step = step or max(1, len(frames))
+        for start in range(0, len(frames), step):
             consume(start, frames[start:start + step])
 
 
