@@ -70,13 +70,26 @@ SYNTHESIZED = {
 }
 SYNTHESIZED_VIDEO = [name for name in SYNTHESIZED if name not in ("two_audio_tracks.mp4", "wav_16ch.wav",
                                                                    "flac_192k.flac")]
-SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac"]
+SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr"]
+
+
+def _write_amr(path: Path) -> None:
+    """AMR-NB in its storage format (RFC 4867: "#!AMR\n", then frames of 12.2 kbit/s:
+    a header byte and 31 bytes). FFmpeg has no AMR encoder here; the decoder decodes any
+    bits, so seeded random frames make a valid two-second file (low bits only: loud noise
+    would clip in stock's 16-bit pipe)."""
+    import random
+
+    rng = random.Random(26)
+    path.write_bytes(b"#!AMR\n" + b"".join(b"\x3c" + bytes(rng.getrandbits(8) & 0x0F for _ in range(31))
+                                            for _ in range(100)))
 
 
 def synthesize(directory) -> dict[str, str]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    made = {}
+    _write_amr(directory / "amr_nb.amr")
+    made = {"amr_nb.amr": str(directory / "amr_nb.amr")}
     for name, steps in SYNTHESIZED.items():
         out = directory / name
         for args in steps:

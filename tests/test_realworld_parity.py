@@ -284,3 +284,30 @@ def test_docs_show_this_parity_table():
     assert parity_table() in text, "docs/media-parity.md's parity table differs from tests/test_realworld_parity.py"
     for key in DESIGN:
         assert re.search(rf"`{re.escape(key)}`", text), f"docs/media-parity.md does not explain {key}"
+
+
+def test_shipped_files_are_the_listed_ones():
+    import hashlib
+
+    with open(rw.DATA / "README.md") as f:
+        listed = dict(re.findall(r"^\| `([^`]+)` \|.*\| `([0-9a-f]{64})` \|$", f.read(), re.M))
+    present = {p.name for p in rw.DATA.iterdir() if p.name != "README.md"}
+    assert present == set(listed), present ^ set(listed)
+    for name, digest in listed.items():
+        assert hashlib.sha256((rw.DATA / name).read_bytes()).hexdigest() == digest, name
+    assert set(rw.SHIPPED_VIDEO + rw.SHIPPED_AUDIO) == present
+
+
+@pytest.mark.timeout(120)
+def test_a_stock_loader_that_hangs_is_killed_and_the_next_case_runs(tmp_path):
+    """decord blocks for ever opening a FIFO with no writer (a real hang in native code):
+    that case is recorded as hung, its child killed, and a new child runs the next one."""
+    fifo = tmp_path / "clip.mp4"
+    os.mkfifo(fifo)
+    good = str(rw.DATA / "carphone_distorted.mp4")
+    out = str(tmp_path / "stock")
+    rw.run_stock([("valley__fifo", "valley", str(fifo)), ("valley__good", "valley", good)], out,
+                 case_timeout=5.0, total_timeout=100.0)
+    assert rw.stock_result(out, "valley__fifo")[0] == "hang"
+    state = rw.stock_result(out, "valley__good")
+    assert state[0] == "ok" and state[1].shape == (8, 144, 176, 3)

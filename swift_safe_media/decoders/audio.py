@@ -166,7 +166,12 @@ def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=Tru
     import numpy as np
 
     data = inputs.materialize(source, limits, url_timeout)
-    y, native_sr, _ = decode(source.label, data, limits, offset, duration)
+    y, native_sr, by_soundfile = decode(source.label, data, limits, offset, duration)
+    if not by_soundfile:
+        # What libsndfile cannot read, librosa reads through audioread's ffmpeg pipe as
+        # 16-bit samples: the same steps and the same clipping here, so the samples are
+        # stock's (ffmpeg rounds a float sample to the nearest step, as rint does).
+        y = np.clip(np.rint(y * 32768.0), -32768.0, 32767.0).astype(np.float32) / np.float32(32768.0)
     if mono and y.ndim > 1:
         y = np.mean(y, axis=0)
     if sr is not None and sr != native_sr:

@@ -31,7 +31,8 @@ def _reason(exc: BaseException) -> str:
 
 def resample_like_stock(y, orig_sr: float, target_sr: float):
     """ms-swift 4.6's ``_resample_audio_pyav`` (after vLLM's): each channel alone, at
-    least 1024 samples in, PyAV's resampler flushed, cut to ceil(n * target / orig)."""
+    least 1024 samples in, PyAV's resampler flushed, cut to ceil(n * target / orig).
+    A stereo file with ``mono=False`` works (stock raises there)."""
     import av
     import numpy as np
 
@@ -41,7 +42,8 @@ def resample_like_stock(y, orig_sr: float, target_sr: float):
     if y.ndim == 2:
         return np.stack([resample_like_stock(channel, orig_sr, target_sr) for channel in y], axis=0)
     expected = int(math.ceil(y.shape[-1] * target / orig))
-    samples = np.asarray(y, dtype=np.float32)
+    # Contiguous: stock hands PyAV a strided row of a stereo file and PyAV refuses it.
+    samples = np.ascontiguousarray(y, dtype=np.float32)
     if len(samples) < 1024:
         samples = np.pad(samples, (0, 1024 - len(samples)))
     resampler = av.AudioResampler(format="fltp", layout="mono", rate=target)

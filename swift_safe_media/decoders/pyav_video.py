@@ -24,6 +24,7 @@ import math
 
 from ..errors import MediaDecodeError, is_out_of_memory
 from . import demuxers
+from .videoinfo import VideoInfo
 
 # Codecs whose frames can be paletted (pal8) with the palette handed over out of band
 # (packet side data, from the container's header): what torchcodec versions that do not
@@ -113,8 +114,6 @@ class PyAVVideo:
         self._nominal = nominal
 
     def _info(self, count: int, begin: float, end: float | None, nominal: float):
-        from .video import VideoInfo
-
         duration = (end - begin) if end is not None and end > begin else 0.0
         fps = count / duration if duration > 0 else nominal
         if not math.isfinite(fps) or fps <= 0:
@@ -177,8 +176,6 @@ class PyAVVideo:
     def recount(self, count: int) -> None:
         """The stream holds `count` frames (what decoding found), not what its packets
         said: the rate is that count over the same duration."""
-        from .video import VideoInfo
-
         info = self.info
         fps = count / info.duration if info.duration > 0 else info.fps
         self.info = VideoInfo(count, float(fps), info.duration, info.width, info.height, info.nominal_fps)

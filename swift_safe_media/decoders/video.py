@@ -27,27 +27,13 @@ asked for send the same call to PyAV, inside the same sandbox and timeout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from .. import config
 from ..errors import MediaDecodeError, is_out_of_memory
 from . import demuxers, families, guards, inputs
 from .families import Family
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    num_frames: int
-    fps: float
-    duration: float
-    width: int
-    height: int
-    nominal_fps: float = 0.0  # the stream's r_frame_rate; what moviepy calls fps
-
-
-class Seconds(list):
-    """Sample times, returned by index rules of loaders that pick frames by time
-    (moviepy). Each time gets the frame shown at that moment."""
+from .pyav_video import PALETTE_CODECS, PyAVVideo
+from .videoinfo import Seconds, VideoInfo  # noqa: F401  (the names loaders and tests use)
 
 
 class Untrusted(Exception):
@@ -155,7 +141,7 @@ class TorchcodecVideo:
 
     def _check_trusted(self, meta) -> None:
         pixel_format = getattr(meta, "pixel_format", None)
-        if pixel_format == "pal8" or (pixel_format is None and meta.codec in _palette_codecs()):
+        if pixel_format == "pal8" or (pixel_format is None and meta.codec in PALETTE_CODECS):
             raise Untrusted(f"paletted video ({meta.codec}, {pixel_format or 'pixel format unknown'}): torchcodec "
                             "loses a palette the container hands over once", self.stream_index, self.rotation)
         if _torchcodec_version() < _SEEKS_FROM_DISCARDED_KEYFRAME:
@@ -243,11 +229,6 @@ class TorchcodecVideo:
                             f"which is shown at {self._begin:.3f} s", self.stream_index, self.rotation)
 
 
-def _palette_codecs():
-    from .pyav_video import PALETTE_CODECS
-    return PALETTE_CODECS
-
-
 class PyAVReader:
     """``pyav_video.PyAVVideo`` behind the same ``decode_into`` as ``TorchcodecVideo``."""
 
@@ -257,8 +238,6 @@ class PyAVReader:
         except ImportError:
             need = f"{why}; decoding it needs PyAV" if why else f"the {family.name} loaders decode with PyAV"
             raise MediaDecodeError(label, f"{need}, which is not installed (pip install av)") from None
-        from .pyav_video import PyAVVideo
-
         self.label, self.family, self.why = label, family, why
         try:
             self.video = PyAVVideo(label, data, stream_index, rotated=family.rotated, rotation=rotation,
