@@ -52,6 +52,8 @@ DESIGN = {
                    "count) decodes",
     "wrong-frames": "stock returns other frames than the indices it asked for (decord's seek on packed B-frames "
                     "and cut clips; torchcodec < 0.16 on a discarded leading keyframe); the twin's are the ones asked for",
+    "field-coded": "field-coded interlaced video (each field its own packet, as in broadcast 1080i MPEG-TS): the "
+                   "frames the decoder pairs the fields into, at the frame rate; stock counts a frame per field",
     "high-bit-depth": "10-bit video is converted to 8-bit RGB by torchcodec's FFmpeg (scale filter), not by "
                       "decord's or OpenCV's own FFmpeg builds",
     "moviepy-stream": "a file with several video streams: moviepy reads the first stream's size and the ffmpeg "
@@ -98,6 +100,8 @@ EXPECTED = {
     "mpeg2_program.mpg": {**_all(DECORD_CASES, "wrong-frames"), **_all(["llava", "hf", "qwen"], "stock-fails")},
     "discarded_keyframe.mp4": {**_all(DECORD_CASES, "wrong-frames"), "qwen": "wrong-frames",
                                **_all(["llava", "hf", "vllm"], "frame-count")},
+    "interlaced_fields.ts": {**_all(["internvl", "vllm", "ovis2", "ovis2_5"], "field-coded"),
+                             **_all(["cogvlm2", "minicpmv", "valley", "llava", "hf", "qwen"], "stock-fails")},
     "two_video_streams.mp4": _all(["ovis2", "ovis2_5"], "moviepy-stream"),
     "rotated_90.mp4": _all(["ovis2", "ovis2_5"], "moviepy-rotation"),
     "hevc_10bit.mp4": _all(DECORD_CASES + ["vllm"], "high-bit-depth"),
@@ -307,7 +311,7 @@ def test_a_stock_loader_that_hangs_is_killed_and_the_next_case_runs(tmp_path):
     good = str(rw.DATA / "carphone_distorted.mp4")
     out = str(tmp_path / "stock")
     rw.run_stock([("valley__fifo", "valley", str(fifo)), ("valley__good", "valley", good)], out,
-                 case_timeout=5.0, total_timeout=100.0)
+                 case_timeout=10.0, total_timeout=100.0)
     assert rw.stock_result(out, "valley__fifo")[0] == "hang"
     state = rw.stock_result(out, "valley__good")
     assert state[0] == "ok" and state[1].shape == (8, 144, 176, 3)
