@@ -1,9 +1,11 @@
 """Safe, stock-identical twins of the media loaders used by ms-swift and the Qwen utils.
 
 Every decode runs in the engine's sandbox (torchcodec for video and for audio inside
-containers, soundfile for WAV/FLAC/OGG/MP3), behind the guards in ``guards``; never
-decord or audioread. Importing this package is cheap: torch, torchcodec and PIL are
-imported inside the functions that use them.
+containers, soundfile for WAV/FLAC/OGG/MP3, PyAV where stock uses it or torchcodec cannot
+decode a file right), behind the guards in ``guards``; never decord or audioread. Which
+stream and rotation each twin takes follows its stock loader (``families``); where and why
+a twin differs from stock: docs/media-parity.md. Importing this package is cheap: torch,
+torchcodec, PyAV and PIL are imported inside the functions that use them.
 """
 
 from .guards import Limits

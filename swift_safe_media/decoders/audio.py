@@ -13,7 +13,10 @@ import io
 import math
 
 from ..errors import MediaDecodeError, is_out_of_memory
-from . import demuxers, guards, inputs
+from . import audio_pyav, demuxers, families, guards, inputs
+
+# A decode this much shorter than the header's duration is checked against PyAV's.
+_SHORT_BY_SECONDS = 0.02
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
 _SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
@@ -44,16 +47,48 @@ def _read_soundfile(label, data, limits, offset, duration):
     return samples, native_sr
 
 
-def _read_torchcodec(label, data, limits, offset, duration):
+def _open_audio(label, data, stream_index=None):
     from torchcodec.decoders import AudioDecoder
 
     pinned = demuxers.for_torchcodec(label, data)  # the file opened here, the demuxer checked
     try:
-        decoder = AudioDecoder(pinned)
+        return AudioDecoder(pinned, stream_index=stream_index)
     except Exception as exc:
         if "audio stream" in str(exc).lower():
             raise MediaDecodeError(label, "no audio stream") from None
         raise MediaDecodeError(label, f"cannot open audio: {_reason(exc)}") from None
+
+
+def _audio_streams(label, data, decoder, rule):
+    """(the input's audio streams, FFmpeg's best one) as ``families.pick_audio`` wants
+    them; ([], None) where this torchcodec does not tell. Dispositions are read with PyAV,
+    and only where there is a choice to make by them."""
+    try:
+        from torchcodec import _core
+
+        container = _core.get_container_metadata(decoder._decoder)
+    except Exception:
+        return [], None
+    streams = [families.StreamInfo(s.stream_index, float(s.bit_rate or 0), channels=s.num_channels or 0)
+               for s in container.streams if type(s).__name__ == "AudioStreamMetadata"]
+    if len(streams) > 1 and rule == families.COMMAND_LINE:
+        try:
+            with demuxers.open_pyav(label, data) as pyav_container:
+                default = {s.index: bool(s.disposition & 1) for s in pyav_container.streams.audio}
+            streams = [families.StreamInfo(s.index, s.bit_rate, channels=s.channels, default=default.get(s.index))
+                       for s in streams]
+        except Exception:  # no PyAV: the most channels, then the first
+            pass
+    return streams, container.best_audio_stream_index
+
+
+def _read_torchcodec(label, data, limits, offset, duration, rule=families.COMMAND_LINE):
+    decoder = _open_audio(label, data)
+    streams, best = _audio_streams(label, data, decoder, rule)
+    if len(streams) > 1:
+        wanted = families.pick_audio(streams, rule, best)
+        if wanted is not None and wanted != decoder.stream_index:
+            decoder = _open_audio(label, data, wanted)
     native_sr = decoder.metadata.sample_rate
     header_seconds = decoder.metadata.duration_seconds_from_header
     if duration is None and header_seconds:
@@ -62,11 +97,28 @@ def _read_torchcodec(label, data, limits, offset, duration):
     span = limits.max_audio_seconds if duration is None else min(duration, limits.max_audio_seconds)
     try:
         samples = decoder.get_samples_played_in_range(start_seconds=offset, stop_seconds=offset + span + 1.0)
+        y = samples.data.numpy()
     except Exception as exc:
         if is_out_of_memory(exc):
             raise MemoryError(f"decoding {span:.0f} s of audio: {_reason(exc)}") from None
-        raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
-    y = samples.data.numpy()
+        if not audio_pyav.available():
+            raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
+        # A valid file torchcodec cannot decode (it seeks first): PyAV from the start.
+        try:
+            y, native_sr = audio_pyav.decode_float(label, data, limits, offset, duration, decoder.stream_index)
+        except MediaDecodeError as pyav_exc:
+            raise MediaDecodeError(label, f"decode failed: {_reason(exc)}; PyAV could not decode it either: "
+                                          f"{pyav_exc.reason}") from None
+    if header_seconds and offset == 0 and duration is None and audio_pyav.available() \
+            and y.shape[-1] < (header_seconds - _SHORT_BY_SECONDS) * native_sr:
+        # Fewer samples than the header promises (torchcodec trims frames whose
+        # timestamps overlap, as in some WMA): PyAV from the start, if it finds more.
+        try:
+            more, _ = audio_pyav.decode_float(label, data, limits, 0.0, None, decoder.stream_index)
+        except MediaDecodeError:
+            more = None
+        if more is not None and more.shape[-1] > y.shape[-1]:
+            y = more
     if duration is None and y.shape[-1] > limits.max_audio_seconds * native_sr:
         guards.check_audio_seconds(label, y.shape[-1] / native_sr, limits)
     if duration is not None:
@@ -92,14 +144,16 @@ def resample(y, native_sr: int, target_sr: int):
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def decode(label, data, limits, offset=0.0, duration=None):
-    """(float32 samples at the native rate, native rate, decoded by soundfile?)."""
+def decode(label, data, limits, offset=0.0, duration=None, rule=families.COMMAND_LINE):
+    """(float32 samples at the native rate, native rate, decoded by soundfile?). `rule`:
+    which audio stream of a container with several (``families.pick_audio``): librosa's
+    audioread pipe takes what the ffmpeg command line maps, PyAV's users the first."""
     kind = guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
     if kind in _SOUNDFILE_CONTAINERS:
         result = _read_soundfile(label, data, limits, offset, duration)
         if result is not None:
             return (*result, True)
-    return (*_read_torchcodec(label, data, limits, offset, duration), False)
+    return (*_read_torchcodec(label, data, limits, offset, duration, rule), False)
 
 
 def _head(path: str) -> bytes:
@@ -112,7 +166,12 @@ def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=Tru
     import numpy as np
 
     data = inputs.materialize(source, limits, url_timeout)
-    y, native_sr, _ = decode(source.label, data, limits, offset, duration)
+    y, native_sr, by_soundfile = decode(source.label, data, limits, offset, duration)
+    if not by_soundfile:
+        # What libsndfile cannot read, librosa reads through audioread's ffmpeg pipe as
+        # 16-bit samples: the same steps and the same clipping here, so the samples are
+        # stock's (ffmpeg rounds a float sample to the nearest step, as rint does).
+        y = np.clip(np.rint(y * 32768.0), -32768.0, 32767.0).astype(np.float32) / np.float32(32768.0)
     if mono and y.ndim > 1:
         y = np.mean(y, axis=0)
     if sr is not None and sr != native_sr:
@@ -121,17 +180,31 @@ def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=Tru
 
 
 def load_soundfile_pyav(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=True):
-    """Sandbox entry, ms-swift's soundfile_pyav backend semantics: (samples, rate)."""
+    """Sandbox entry, ms-swift's soundfile_pyav backend semantics: (samples, rate).
+
+    With PyAV installed (stock's backend needs it), resampling and the formats libsndfile
+    cannot read go through stock's own PyAV code (``audio_pyav``): the same samples. Without
+    it, soxr and torchcodec do that work, in the shapes stock returns."""
     import numpy as np
 
     data = inputs.materialize(source, limits, url_timeout)
-    y, native_sr, by_soundfile = decode(source.label, data, limits)
-    if by_soundfile:
+    with_pyav = audio_pyav.available()
+    kind = guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
+    if with_pyav and kind not in _SOUNDFILE_CONTAINERS:
+        return audio_pyav.decode_like_stock(source.label, data, limits, sr, mono)
+    result = _read_soundfile(source.label, data, limits, 0.0, None) if kind in _SOUNDFILE_CONTAINERS else None
+    if result is None and with_pyav:
+        return audio_pyav.decode_like_stock(source.label, data, limits, sr, mono)
+    if result is not None:
+        y, native_sr = result
         if mono and y.ndim > 1:
             y = np.mean(y, axis=0)
         if sr is not None and sr != native_sr:
+            if with_pyav:
+                return np.ascontiguousarray(audio_pyav.resample_like_stock(y, native_sr, sr), np.float32), int(sr)
             return resample(y, native_sr, int(sr)), int(sr)
         return np.ascontiguousarray(y, dtype=np.float32), native_sr
+    y, native_sr = _read_torchcodec(source.label, data, limits, 0.0, None, families.FIRST)
     # Stock's PyAV branch: channels first even for a mono stream, and its resampler
     # outputs a mono layout whatever `mono` says. Shapes kept as stock returns them.
     if y.ndim == 1:

@@ -30,12 +30,13 @@ import os
 from ..errors import MediaDecodeError
 from . import guards
 
-# FFmpeg demuxers allowed for each container that ``guards.container_of`` names. Never
+# FFmpeg demuxers allowed for each container that ``sniff.container_of`` names. Never
 # hls, dash, concat, image2, or any other demuxer that reads a list of other inputs.
 ALLOWED = {
     "mp4/mov": ("mov,mp4,m4a,3gp,3g2,mj2",),
     "matroska/webm": ("matroska,webm",),
     "wav": ("wav", "w64"),
+    "w64": ("w64",),
     "avi": ("avi",),
     "flac": ("flac",),
     "ogg": ("ogg",),
@@ -43,20 +44,31 @@ ALLOWED = {
     "mp3/aac": ("mp3", "aac", "flac"),
     "mp3": ("mp3",),
     "aac": ("aac",),
+    "ac3": ("ac3", "eac3"),
     "aiff": ("aiff",),
     "caf": ("caf",),
     "asf/wmv": ("asf",),
     "flv": ("flv",),
     "mpeg-ps": ("mpeg",),
-    "mpeg-ts": ("mpegts",),
+    "mpeg-ts": ("mpegts",),  # 188-byte packets, M2TS (192) and 204-byte ones alike
+    # Elementary streams behind an MPEG start code: MPEG-1/2 video, MPEG-4 Part 2,
+    # H.264 and HEVC Annex B (what camera dumps, ``-f h264`` and broadcast tools write).
+    "video-es": ("mpegvideo", "m4v", "h264", "hevc"),
+    "ivf": ("ivf",),
+    "y4m": ("yuv4mpegpipe",),
+    "nut": ("nut",),
+    "voc": ("voc",),
+    "musepack": ("mpc", "mpc8"),
     "amr/au/wavpack/ape": ("amr", "au", "wv", "ape"),
 }
 
-# What PyAV is told to use (format=...) for each container: FFmpeg's short names.
+# What PyAV is told to use (format=...) for a container of one demuxer: FFmpeg's short
+# names. Kinds with several allowed demuxers (an elementary stream, a tagged MP3 or AAC)
+# use the one FFmpeg's probe picks among them (``pyav_format``).
 PYAV_FORMAT = {
-    "mp4/mov": "mov", "matroska/webm": "matroska", "wav": "wav", "avi": "avi", "flac": "flac",
-    "ogg": "ogg", "mp3/aac": "mp3", "mp3": "mp3", "aac": "aac", "aiff": "aiff", "caf": "caf", "asf/wmv": "asf",
-    "flv": "flv", "mpeg-ps": "mpeg", "mpeg-ts": "mpegts",
+    "mp4/mov": "mov", "matroska/webm": "matroska", "wav": "wav", "w64": "w64", "avi": "avi", "flac": "flac",
+    "ogg": "ogg", "mp3": "mp3", "aac": "aac", "aiff": "aiff", "caf": "caf", "asf/wmv": "asf", "flv": "flv",
+    "mpeg-ps": "mpeg", "mpeg-ts": "mpegts", "ivf": "ivf", "y4m": "yuv4mpegpipe", "nut": "nut", "voc": "voc",
 }
 
 # FFmpeg's av_probe_input_buffer2: buffers from 2 KiB doubling to 1 MiB; a demuxer is
@@ -125,6 +137,11 @@ def _probe(head: bytes, size: int) -> tuple[str | None, int]:
 def check(label, head: bytes, size: int) -> int:
     """How many leading bytes FFmpeg's probe reads, after it agreed to read this input with
     a demuxer allowed for the sniffed container; raise MediaDecodeError naming it otherwise."""
+    return _check(label, head, size)[0]
+
+
+def _check(label, head: bytes, size: int) -> tuple[int, str]:
+    """``check``, also returning the demuxer FFmpeg's probe picked."""
     kind = guards.container_of(head[:guards.HEAD_BYTES])
     allowed = ALLOWED.get(kind, ())
     try:
@@ -134,7 +151,20 @@ def check(label, head: bytes, size: int) -> int:
     if picked not in allowed:
         found = f"FFmpeg would read it as {picked!r}" if picked else "FFmpeg recognises no format"
         raise MediaDecodeError(label, f"demuxer mismatch: sniffed {kind or 'unknown'}, {found}; refused")
-    return probed
+    return probed, picked
+
+
+def pyav_format(label, kind: str, head: bytes, size: int) -> str:
+    """The FFmpeg short name PyAV is told to use for `kind`: the container's own demuxer,
+    or, for a kind several demuxers read, the allowed one FFmpeg's probe picks."""
+    fmt = PYAV_FORMAT.get(kind)
+    if fmt is not None:
+        return fmt
+    if kind not in ALLOWED:
+        raise MediaDecodeError(label, f"no pinned PyAV demuxer for {kind}")
+    picked = _check(label, head, size)[1]
+    # The probe names a demuxer by its list of names ("mov,mp4,..."); PyAV takes the first.
+    return picked.split(",")[0]
 
 
 class PinnedFile(io.RawIOBase):
@@ -241,10 +271,12 @@ def open_pyav(label, data, **kwargs):
         except BaseException:
             handle.close()
             raise
-    fmt = PYAV_FORMAT.get(kind)
-    if fmt is None:
+    try:
+        fmt = pyav_format(label, kind, data[:SNAPSHOT_BYTES] if isinstance(data, bytes) else snapshot,
+                          len(data) if isinstance(data, bytes) else size)
+    except BaseException:
         handle.close()
-        raise MediaDecodeError(label, f"no pinned PyAV demuxer for {kind}")
+        raise
     options = dict(kwargs.pop("options", None) or {}, **pyav_options(kind))
     try:
         return av.open(handle, mode="r", format=fmt, options=options, **kwargs)

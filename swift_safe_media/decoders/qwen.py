@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import engine
 from ..errors import MediaDecodeError
-from . import audio, guards, inputs, video
+from . import audio, families, guards, inputs, video
 
 # Constants of qwen_vl_utils 0.0.14 / qwen_omni_utils 0.0.9 vision_process, as shipped.
 DEFAULTS = {"SPATIAL_MERGE_SIZE": 2, "VIDEO_MIN_TOKEN_NUM": 128, "VIDEO_MAX_TOKEN_NUM": 768,
@@ -39,6 +39,20 @@ def current_settings() -> dict:
             return {key: getattr(module, key, default) for key, default in DEFAULTS.items()}
     return {key: type(default)(os.environ[key]) if os.environ.get(key) else default
             for key, default in DEFAULTS.items()}
+
+# qwen_vl_utils' FORCE_QWENVL_VIDEO_READER -> the family that decodes (torchcodec by default,
+# as stock picks it when installed; torchvision's read_video is PyAV).
+_READERS = {"torchcodec": families.TORCHCODEC, "decord": families.DECORD, "torchvision": families.PYAV}
+
+
+def reader_family() -> families.Family:
+    """Whose stream and rotation rules stock ``fetch_video`` follows here."""
+    for name in _STOCK_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "FORCE_QWENVL_VIDEO_READER", None):
+            return _READERS.get(module.FORCE_QWENVL_VIDEO_READER, families.TORCHCODEC)
+    return _READERS.get(os.environ.get("FORCE_QWENVL_VIDEO_READER", ""), families.TORCHCODEC)
+
 
 _SAMPLING_KEYS = ("nframes", "fps", "min_frames", "max_frames", "video_start", "video_end")
 
@@ -136,7 +150,7 @@ def target_size(height, width, nframes, sizing, image_patch_size, settings, seq_
 
 
 def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing, image_patch_size, settings,
-                   seq_len):
+                   seq_len, family=families.TORCHCODEC):
     """Sandbox entry: stock ``fetch_video`` on a video file. Frames are chosen with the
     stock formulas, decoded and resized here (torchvision bicubic with antialias, then
     float, as stock), so only the model-sized tensor reaches the caller.
@@ -148,25 +162,34 @@ def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing,
 
     label = source.label
     data = inputs.materialize(source, limits, url_timeout)
-    decoder, info = video.open_video(label, data)
-    try:
-        indices = qwen_indices(info, sampling, settings)
-        _, _, total = frame_range(sampling, info.num_frames, info.fps)
-        height, width = target_size(info.height, info.width, len(indices), sizing, image_patch_size, settings,
-                                    seq_len)
-    except ValueError as exc:  # stock raises these for this file: same condition, named
-        raise MediaDecodeError(label, f"refused by the qwen_vl_utils sampling rules: {exc}") from None
-    count = len(indices)
-    video.check_result(label, count, info, limits, pixel_bytes=0)
-    guards.check_result_bytes(label, count * 3 * height * width * 4,
-                              f"{count} frames resized to {width}x{height} as float32", limits)
-    resized = torch.empty((count, 3, height, width), dtype=torch.float32)
-    step = max(1, _RESIZE_CHUNK_BYTES // max(1, info.height * info.width * 3))
-    for start in range(0, count, step):
-        frames = video.frames_at(label, decoder, info, indices[start:start + step], limits, pixel_bytes=0)
-        chunk = torch.from_numpy(frames).permute(0, 3, 1, 2)
-        resized[start:start + len(frames)] = functional.resize(
-            chunk, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+
+    def pick(info):
+        try:
+            return qwen_indices(info, sampling, settings)
+        except ValueError as exc:  # stock raises these for this file: same condition, named
+            raise MediaDecodeError(label, f"refused by the qwen_vl_utils sampling rules: {exc}") from None
+
+    def deliver(reader, info, indices):
+        try:
+            height, width = target_size(info.height, info.width, len(indices), sizing, image_patch_size, settings,
+                                        seq_len)
+        except ValueError as exc:
+            raise MediaDecodeError(label, f"refused by the qwen_vl_utils sampling rules: {exc}") from None
+        count = len(indices)
+        video.check_result(label, count, info, limits, pixel_bytes=0)
+        guards.check_result_bytes(label, count * 3 * height * width * 4,
+                                  f"{count} frames resized to {width}x{height} as float32", limits)
+        resized = torch.empty((count, 3, height, width), dtype=torch.float32)
+
+        def resize(start, frames):
+            chunk = torch.from_numpy(frames).permute(0, 3, 1, 2)
+            resized[start:start + len(frames)] = functional.resize(
+                chunk, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True)
+        reader.decode_into(indices, resize, step=max(1, _RESIZE_CHUNK_BYTES // max(1, info.height * info.width * 3)))
+        return resized
+
+    resized, info, indices = video.decode(label, data, family, pick, deliver)
+    _, _, total = frame_range(sampling, info.num_frames, info.fps)
     return resized, info, indices, total
 
 
@@ -214,7 +237,7 @@ def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_
     seq_len = int(float(os.environ.get("MODEL_SEQ_LEN", 128000)))
     resized, info, indices, total = engine.call(
         sample_resized, source, limits, timeout, sampling, sizing, image_patch_size,
-        current_settings(), seq_len, path=source.label)
+        current_settings(), seq_len, reader_family(), path=source.label)
     sample_fps = len(indices) / max(total, 1e-6) * info.fps
     # What decoded, whatever FORCE_QWENVL_VIDEO_READER asked stock to use.
     metadata = dict(fps=info.fps, frames_indices=indices, total_num_frames=total, video_backend="torchcodec")

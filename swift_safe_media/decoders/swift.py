@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import engine, transport
 from . import audio as _audio
-from . import guards, inputs, video
+from . import families, guards, inputs, video
 
 
 def _env_int(name: str, default: int) -> int:
@@ -24,19 +24,19 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _sample(media, pick, *pick_args, pixel_bytes=3):
+def _sample(media, family, pick, *pick_args, pixel_bytes=3):
     limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
     source = inputs.fetched(inputs.describe(media), limits, timeout)
     return engine.call(video.sample, source, limits, timeout, pick, *pick_args,
-                       pixel_bytes=pixel_bytes, path=source.label)
+                       pixel_bytes=pixel_bytes, family=family, path=source.label)
 
 
 # Pillow keeps an RGB pixel in 32 bits: what a list of PIL frames costs its holder.
 PIL_PIXEL_BYTES = 4
 
 
-def _sample_pil(media, pick, *pick_args):
-    frames, _, _ = _sample(media, pick, *pick_args, pixel_bytes=PIL_PIXEL_BYTES)
+def _sample_pil(media, family, pick, *pick_args):
+    frames, _, _ = _sample(media, family, pick, *pick_args, pixel_bytes=PIL_PIXEL_BYTES)
     return _pil_list(frames)
 
 
@@ -131,41 +131,41 @@ def vllm_indices(info: video.VideoInfo, num_frames):
 
 def load_video_internvl(video, bound=None, num_segments=32):
     """list of PIL RGB images, ``num_segments`` of them, as stock (decord)."""
-    return _sample_pil(video, internvl_indices, bound, num_segments)
+    return _sample_pil(video, families.DECORD, internvl_indices, bound, num_segments)
 
 
 def load_video_cogvlm2(video):
     """torch.uint8 tensor (C, T, H, W); T is ``NUM_FRAMES`` (24), from the first 60 s."""
     import torch
-    frames, _, _ = _sample(video, cogvlm2_indices, _env_int("num_frames", 24))
+    frames, _, _ = _sample(video, families.DECORD, cogvlm2_indices, _env_int("num_frames", 24))
     return torch.from_numpy(frames).permute(3, 0, 1, 2)
 
 
 def load_video_llava(video):
     """uint8 ndarray (T, H, W, 3); T <= ``NUM_FRAMES`` (16) since repeated indices collapse."""
-    frames, _, _ = _sample(video, llava_indices, _env_int("num_frames", 16))
+    frames, _, _ = _sample(video, families.PYAV, llava_indices, _env_int("num_frames", 16))
     return frames
 
 
 def load_video_minicpmv_mplug_owl3(video, max_num_frames):
     """list of PIL images: one frame per second, at most ``max_num_frames``."""
-    return _sample_pil(video, minicpmv_indices, max_num_frames)
+    return _sample_pil(video, families.DECORD, minicpmv_indices, max_num_frames)
 
 
 def load_video_valley(video):
     """list of 8 PIL RGB images, evenly spaced."""
-    return _sample_pil(video, valley_indices)
+    return _sample_pil(video, families.DECORD, valley_indices)
 
 
 def load_video_ovis2(video_path, num_frames):
     """list of PIL RGB images (stock: moviepy), at most ``num_frames``, picked by time
     on the nominal frame rate as moviepy does (the same frames on constant-rate video)."""
-    return _sample_pil(video_path, ovis2_indices, num_frames)
+    return _sample_pil(video_path, families.MOVIEPY, ovis2_indices, num_frames)
 
 
 def load_video_ovis2_5(video_path, num_frames):
     """list of ``num_frames`` PIL RGB images (stock: moviepy)."""
-    return _sample_pil(video_path, ovis2_5_indices, num_frames)
+    return _sample_pil(video_path, families.MOVIEPY, ovis2_5_indices, num_frames)
 
 
 def load_video_hf(videos):
@@ -190,6 +190,7 @@ def load_video_hf(videos):
             continue
         source = inputs.fetched(inputs.describe(item), limits, timeout)
         frames, info, indices = engine.call(video.sample, source, limits, timeout, all_indices,
+                                            family=families.HF_BACKENDS.get(backend, families.PYAV),
                                             path=source.label)
         res.append(frames)
         metadata.append(VideoMetadata(total_num_frames=info.num_frames, fps=info.fps,
@@ -201,7 +202,7 @@ def load_video_hf(videos):
 
 def load_vllm_video(path, num_frames=-1):
     """(uint8 ndarray (T, H, W, 3), metadata dict) as stock's OpenCV reader returns."""
-    frames, info, indices = _sample(path, vllm_indices, num_frames)
+    frames, info, indices = _sample(path, families.OPENCV, vllm_indices, num_frames)
     return frames, {
         "total_num_frames": info.num_frames,
         "fps": info.fps,

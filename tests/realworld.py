@@ -1,0 +1,238 @@
+"""Real-world media for the parity suite: files other projects ship as test assets
+(tests/data/, listed with source and licence in tests/data/README.md), and the cases the
+issue names, made with ffmpeg at test time where no shipped file shows them.
+
+Stock loaders run in child interpreters, one case at a time with a per-case deadline:
+decord hangs on some files (the last frame of an MPEG-1 stream), and a case that hangs is
+recorded as such, its child killed, and a new child goes on with the next case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data"
+FFMPEG = os.environ.get("FFMPEG", "ffmpeg")
+
+# Files of other projects (tests/data/README.md): name -> kind.
+SHIPPED_VIDEO = ["bikes.mp4", "carphone_distorted.mp4", "bigbuckbunny.mp4", "Megamind.avi", "tree.avi"]
+SHIPPED_AUDIO = ["test-44100Hz-be-1ch-4bytes.wav", "test-44100Hz-2ch-32bit-float-le.wav",
+                 "test-44100Hz-2ch-32bit-float-be.wav", "test-48000Hz-2ch-64bit-float-le-wavex.wav",
+                 "test-8000Hz-le-2ch-1byteu.wav", "test-8000Hz-le-1ch-1byte-ulaw.wav",
+                 "test-8000Hz-le-3ch-5S-24bit.wav", "test-44100Hz-le-1ch-4bytes-rf64.wav",
+                 "test-1234Hz-le-1ch-10S-20bit-extra.wav", "test-44100Hz-le-1ch-4bytes-early-eof.wav",
+                 "bell.oga", "silence-44-s-mpeg25.mp3", "lame.mp3", "alac.m4a", "example.opus", "silence-44-s.ac3",
+                 "silence-44-s.wv", "silence-1.wma", "11k-1ch-2s-silence.aif", "variable-block.flac", "click.mpc"]
+
+_SRC = ["-f", "lavfi", "-i", "testsrc2=size=160x96:rate=25:duration=1.2"]
+_X264 = ["-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p"]
+_TONE0 = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=16000:duration=1"]
+_TONE1 = ["-f", "lavfi", "-i", "aevalsrc=0.3*sin(2*PI*880*t)|0.3*sin(2*PI*660*t):s=16000:d=1"]
+
+# The cases the issue names, as ffmpeg makes them: name -> argument lists, run in order
+# (a later one may read what an earlier one wrote, by name, in the same folder).
+SYNTHESIZED = {
+    # A palette handed over once, on the first packet (AVI strf / MOV stsd).
+    "pal8_rawvideo.avi": [[*_SRC, "-c:v", "rawvideo", "-pix_fmt", "pal8", "{out}"]],
+    "pal8_qtrle_gray.mov": [[*_SRC, "-c:v", "qtrle", "-pix_fmt", "gray", "{out}"]],
+    "mpeg2_video.m2v": [[*_SRC, "-c:v", "mpeg2video", "-f", "mpeg2video", "{out}"]],
+    "mpeg1_video.m1v": [[*_SRC, "-c:v", "mpeg1video", "-f", "mpeg1video", "{out}"]],
+    "h264_annexb.h264": [[*_SRC, *_X264, "-f", "h264", "{out}"]],
+    "hevc_annexb.hevc": [[*_SRC, "-c:v", "libx265", "-x265-params", "log-level=error", "-f", "hevc", "{out}"]],
+    "h264_m2ts.m2ts": [[*_SRC, *_X264, "-f", "mpegts", "-mpegts_m2ts_mode", "1", "{out}"]],
+    "mpeg2_program.mpg": [[*_SRC, "-c:v", "mpeg2video", "-f", "mpeg", "{out}"]],
+    # A stream-copy cut whose first keyframe is flagged for discard, with a later keyframe.
+    "discarded_keyframe.mp4": [
+        ["-f", "lavfi", "-i", "testsrc2=size=160x96:rate=25:duration=4", *_X264, "-bf", "0", "-g", "25",
+         "-keyint_min", "25", "-sc_threshold", "0", "{dir}/_gop25.mp4"],
+        ["-ss", "1.2", "-i", "{dir}/_gop25.mp4", "-t", "1", "-c", "copy", "{out}"]],
+    # Two video streams: the first has the higher bit rate, the second the default flag.
+    "two_video_streams.mp4": [[*_SRC, "-f", "lavfi", "-i", "testsrc=size=96x64:rate=25:duration=1.2", "-map", "0",
+                               "-map", "1", *_X264, "-disposition:v:0", "0", "-disposition:v:1", "default", "{out}"]],
+    # Two audio tracks: mono first, stereo second with the default flag.
+    "two_audio_tracks.mp4": [[*_TONE0, *_TONE1, "-map", "0", "-map", "1", "-c:a", "aac", "-disposition:a:0", "0",
+                              "-disposition:a:1", "default", "{out}"]],
+    "rotated_90.mp4": [[*_SRC, *_X264, "{dir}/_plain.mp4"],
+                       ["-i", "{dir}/_plain.mp4", "-c", "copy", "-metadata:s:v:0", "rotate=90", "{out}"]],
+    "hevc_10bit.mp4": [[*_SRC, "-c:v", "libx265", "-pix_fmt", "yuv420p10le", "-x265-params", "log-level=error",
+                        "{out}"]],
+    # Field-coded 1080i-style MPEG-TS: 62 field packets, 31 frames (tests/paff.py writes the H.264).
+    "interlaced_fields.ts": [["-f", "h264", "-i", "{dir}/_fields.264", "-c", "copy", "-bsf:v",
+                              "setts=ts=N*1501:duration=1501", "-f", "mpegts", "{out}"]],
+    "wav_16ch.wav": [["-f", "lavfi", "-i", "sine=frequency=300:sample_rate=16000:duration=0.5", "-af",
+                      "pan=hexadecagonal|" + "|".join(f"c{i}=c0" for i in range(16)), "-c:a", "pcm_s16le",
+                      "{out}"]],
+    "flac_192k.flac": [["-f", "lavfi", "-i", "sine=frequency=1000:sample_rate=192000:duration=0.5", "-c:a", "flac",
+                        "{out}"]],
+}
+SYNTHESIZED_VIDEO = [name for name in SYNTHESIZED if name not in ("two_audio_tracks.mp4", "wav_16ch.wav",
+                                                                   "flac_192k.flac")]
+SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr"]
+
+
+def _write_amr(path: Path) -> None:
+    """AMR-NB in its storage format (RFC 4867: "#!AMR\n", then frames of 12.2 kbit/s:
+    a header byte and 31 bytes). FFmpeg has no AMR encoder here; the decoder decodes any
+    bits, so seeded random frames make a valid two-second file (low bits only: loud noise
+    would clip in stock's 16-bit pipe)."""
+    import random
+
+    rng = random.Random(26)
+    path.write_bytes(b"#!AMR\n" + b"".join(b"\x3c" + bytes(rng.getrandbits(8) & 0x0F for _ in range(31))
+                                            for _ in range(100)))
+
+
+def synthesize(directory) -> dict[str, str]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_amr(directory / "amr_nb.amr")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import paff
+
+    (directory / "_fields.264").write_bytes(paff.paff())
+    made = {"amr_nb.amr": str(directory / "amr_nb.amr")}
+    for name, steps in SYNTHESIZED.items():
+        out = directory / name
+        for args in steps:
+            args = [a.replace("{out}", str(out)).replace("{dir}", str(directory)) for a in args]
+            subprocess.run([FFMPEG, "-nostdin", "-hide_banner", "-loglevel", "error", "-y", *args], check=True,
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        made[name] = str(out)
+    return made
+
+
+# --- the loaders, stock or twin, reduced to (array, metadata) ------------------------------
+
+VIDEO_CASES = {  # case -> (function, kwargs); qwen is fetch_video
+    "internvl": ("load_video_internvl", {"num_segments": 8}),
+    "cogvlm2": ("load_video_cogvlm2", {}),
+    "minicpmv": ("load_video_minicpmv_mplug_owl3", {"max_num_frames": 4}),
+    "valley": ("load_video_valley", {}),
+    "llava": ("load_video_llava", {}),
+    "hf": ("load_video_hf", {}),
+    "vllm": ("load_vllm_video", {"num_frames": 6}),
+    "ovis2": ("load_video_ovis2", {"num_frames": 6}),
+    "ovis2_5": ("load_video_ovis2_5", {"num_frames": 6}),
+    "qwen": ("fetch_video", {}),
+}
+AUDIO_CASES = ["librosa", "soundfile_pyav", "omni"]
+AUDIO_RATE = 16000
+
+
+def run_case(stock: bool, case: str, path: str):
+    """(array, metadata) of one loader call, stock or twin."""
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import media_corpus
+
+    if case in AUDIO_CASES:
+        if case == "omni":
+            conversation = [{"role": "user", "content": [{"type": "audio", "audio": path}]}]
+            if stock:
+                import qwen_omni_utils as module
+            else:
+                import swift_safe_media.decoders as module
+            return np.asarray(module.process_audio_info(conversation, False)[0]), {}
+        os.environ["SWIFT_AUDIO_LOAD_BACKEND"] = case
+        if stock:
+            import swift.template.vision_utils as module
+        else:
+            import swift_safe_media.decoders as module
+        y, sr = module.load_audio(path, AUDIO_RATE, return_sr=True)
+        return np.asarray(y), {"sr": int(sr)}
+    function, kwargs = VIDEO_CASES[case]
+    if function == "fetch_video":
+        import qwen_vl_utils
+        module = qwen_vl_utils if stock else __import__("swift_safe_media.decoders", fromlist=["x"])
+    else:
+        module = __import__("swift.template.vision_utils" if stock else "swift_safe_media.decoders", fromlist=["x"])
+    frames, meta = media_corpus.run_video_case(module, function, kwargs, path)
+    return frames, {k: v for k, v in meta.items() if k in ("total_num_frames", "frames_indices")}
+
+
+def _stock_child(out_dir: str, jobs: list[list[str]]) -> None:
+    """Run stock cases in order; a 'started' mark before each, its result after."""
+    import traceback
+
+    import numpy as np
+
+    out = Path(out_dir)
+    # The stock modules are imported before the first deadline starts: a deadline is for a
+    # decode, and importing ms-swift takes seconds on a busy machine.
+    for module in ("swift.template.vision_utils", "qwen_vl_utils", "qwen_omni_utils", "decord", "av", "cv2",
+                   "moviepy.editor", "librosa", "transformers.video_utils"):
+        try:
+            __import__(module)
+        except Exception:
+            pass
+    for key, case, path in jobs:
+        (out / f"{key}.started").write_text(str(time.monotonic()))
+        if "decord" in sys.modules:  # stock cogvlm2/valley switch decord's bridge to torch
+            sys.modules["decord"].bridge.set_bridge("native")
+        try:
+            frames, meta = run_case(True, case, path)
+            np.save(out / f"{key}.npy", frames)
+            (out / f"{key}.json").write_text(json.dumps(meta))
+        except BaseException:
+            (out / f"{key}.err").write_text(traceback.format_exc()[-3000:])
+
+
+def run_stock(jobs: list[tuple[str, str, str]], out_dir: str, case_timeout: float = 30.0,
+              total_timeout: float = 400.0) -> None:
+    """Results of stock loader calls (key, case, path) under `out_dir`: key.npy/.json,
+    key.err when it raised, key.hang when it ran past `case_timeout` (killed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + total_timeout
+    pending = [job for job in jobs if not _done(out, job[0])]
+    while pending and time.monotonic() < deadline:
+        code = ("import sys, json; sys.path.insert(0, sys.argv[1]); import realworld; "
+                "realworld._stock_child(sys.argv[2], json.loads(sys.argv[3]))")
+        with open(out / "stderr.txt", "ab") as stderr:
+            child = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).resolve().parent), str(out),
+                                      json.dumps(pending)], cwd=str(out), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+                                     env={**os.environ, "SWIFT_SAFE_MEDIA": "0"})
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            running = [job for job in pending if (out / f"{job[0]}.started").exists() and not _done(out, job[0])]
+            if running and _age(out / f"{running[0][0]}.started") > case_timeout:
+                os.killpg(child.pid, signal.SIGKILL)
+                (out / f"{running[0][0]}.hang").write_text(f"no result within {case_timeout} s")
+                break
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        left = [job for job in pending if not _done(out, job[0])]
+        if left and len(left) == len(pending):  # the child died before finishing any: record it
+            (out / f"{left[0][0]}.err").write_text("stock child died")
+            left = left[1:]
+        pending = left
+
+
+def _age(path: Path) -> float:
+    return time.time() - path.stat().st_mtime
+
+
+def _done(out: Path, key: str) -> bool:
+    return any((out / f"{key}{suffix}").exists() for suffix in (".npy", ".err", ".hang"))
+
+
+def stock_result(out_dir: str, key: str):
+    """("ok", array, meta) | ("error", text) | ("hang", text) | ("missing", "")."""
+    import numpy as np
+
+    out = Path(out_dir)
+    if (out / f"{key}.npy").exists():
+        return "ok", np.load(out / f"{key}.npy"), json.loads((out / f"{key}.json").read_text())
+    for suffix, state in ((".err", "error"), (".hang", "hang")):
+        if (out / f"{key}{suffix}").exists():
+            return state, (out / f"{key}{suffix}").read_text()
+    return "missing", ""
