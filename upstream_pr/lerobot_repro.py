@@ -4,12 +4,13 @@
     python lerobot_repro.py --timeout 3   # patched: each bad file raises VideoDecodeTimeoutError naming it
 
 Makes, in a temporary folder: good.mp4 (ffmpeg's test pattern); spin.mp4, a valid MPEG-2 video whose shown
-frames sit behind 1,000,000 frames its edit list hides, so that every query decodes all of them in native code
-(minutes of CPU, longer the more frames are hidden); stuck.mp4, a FIFO: a read that never returns, as from a
-stalled network mount. Decodes good, spin, stuck and good again the way LeRobot's dataset reader does
-(torchcodec, cached decoder), each in a thread waited on for at most --wait seconds, and prints one line per
-decode: RESULT {"file", "outcome", "seconds", "detail"}. Stock, the second good decode never returns either:
-VideoDecoderCache opens stuck.mp4 under its lock, and every camera of that DataLoader worker waits behind it.
+frames sit behind 1,000,000 frames its edit list hides, so that every query decodes all of them in native
+code (a minute or more of CPU, longer the more frames are hidden); stuck.mp4, a FIFO: a read that never
+returns, as from a stalled network mount. Decodes good, spin, stuck and good again the way LeRobot's dataset
+reader does (torchcodec, cached decoder), each in a thread waited on for at most --wait seconds, and prints
+one line per decode: RESULT {"file", "outcome", "seconds", "detail"}. Stock, the second good decode never
+returns either: VideoDecoderCache opens stuck.mp4 under its lock, and every camera of that DataLoader worker
+waits behind it.
 """
 
 import argparse
@@ -84,7 +85,7 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=None, help="timeout_s (needs the patch)")
     parser.add_argument("--wait", type=float, default=60, help="how long to wait on each decode")
-    parser.add_argument("--no-spin", action="store_true", help="leave spin.mp4 out (it costs minutes of CPU)")
+    parser.add_argument("--no-spin", action="store_true", help="leave spin.mp4 out (a minute or more of CPU)")
     args = parser.parse_args()
     kwargs = {"timeout_s": args.timeout} if args.timeout else {}
     folder = tempfile.mkdtemp(prefix="lerobot-repro-")
