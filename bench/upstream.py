@@ -4,9 +4,8 @@ Builds the pristine trees from the PyPI sdists (``pip download --no-binary :all:
 ``patches/<project>[/<version>]/*.patch`` to a copy of each and makes clips with ffmpeg. Each variant
 runs in an interpreter of its own (the two trees cannot share one process: same package name), warms
 up, then serves timed calls; the variants take turns call by call (``--repeats`` rounds), so load on
-a shared machine hits them alike. LeRobot 0.6.1 needs Python 3.12: its variants run in
-``.venv-lerobot-0.6/`` (``make test`` builds it; ``--lerobot06-python`` names another), the tree on
-PYTHONPATH before the installed LeRobot. Prints medians and patched/stock ratios:
+a shared machine hits them alike. LeRobot 0.6.1 (Python 3.12) runs in ``.venv-lerobot-0.6/``
+(``make test`` builds it), the tree first on PYTHONPATH. Prints medians and patched/stock ratios:
 
 * ms-swift: ``load_video_internvl`` / ``load_video_cogvlm2`` on 854x480 and 1280x720 30 fps 10 s clips, and
   ``load_audio`` on WAV and M4A (stock reads M4A through audioread's ffmpeg pipe), for stock,
@@ -19,9 +18,8 @@ PYTHONPATH before the installed LeRobot. Prints medians and patched/stock ratios
   LeRobot 0.6's own writer and encoder (two 640x480 cameras, SVT-AV1), ``return_uint8=True``:
   stock (the cameras decoded on threads in-process) vs ``video_decode_timeout_s`` (the item's
   cameras in one worker call, decoded on threads there), as items/s;
-* kill-to-ready: how long a timed-out call takes to return and the replacement worker to serve
-  (ms-swift), and LeRobot 0.6.1's repro (``upstream_pr/lerobot_repro.py --timeout 3``) with what
-  the spinning file costs stock.
+* kill-to-ready (ms-swift; LeRobot 0.6.1: its repro, ``upstream_pr/lerobot_repro.py --timeout 3``),
+  a decode worker's memory, and what the repro's spinning file costs stock LeRobot 0.6.1.
 
     .venv/bin/python bench/upstream.py [--repeats 7] [--work DIR] [--only lerobot-0.6]
 """
