@@ -324,7 +324,7 @@ def test_lerobot_repro_hangs_stock_and_is_bounded_patched(upstream, name):
     for bad in (spin, stuck):  # a decoder spinning in native code and a read that never returns, alike
         assert bad["outcome"] == "VideoDecodeTimeoutError", bad
         assert f"/{bad['file']} at timestamps" in bad["detail"] and "did not finish within 3.0s" in bad["detail"], bad
-        assert bad["seconds"] < 3 + 30, bad
+        assert bad["seconds"] < 3 + 90, bad  # its time includes a replacement worker's start-up (slow under load)
 
 
 def test_lerobot_pr_text_shows_the_repro_it_was_tested_with():
