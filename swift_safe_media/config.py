@@ -139,7 +139,9 @@ WORKER_MMAP_THRESHOLD_KB = _declare("SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB",
 FORKSERVER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_PRELOAD", LIST, "",
                               "what the warm forkserver imports", internal=True)
 # Every forkserver or spawn child imports the main script before it runs; imported once in
-# the forkserver, it is found there (CPython's own default preload is the main script).
+# the forkserver, it is found there (CPython's own default preload is the main script). The
+# shared zygote forked from the forkserver is prepared without it (warm_start): a zygote busy
+# running an unguarded script's top level could not serve that script's first decode.
 FORKSERVER_IMPORTS_MAIN = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_IMPORTS_MAIN", SWITCH, True,
                                    "the warm forkserver imports the main script once, when its top level "
                                    "only imports and defines, so workers share it instead of each importing "
