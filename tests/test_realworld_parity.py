@@ -48,14 +48,14 @@ DESIGN = {
                "return black or grey frames (the palette comes once, with the first packet)",
     "frame-count": "indices from the frames the file holds, not the header's count (edit lists, discarded or "
                    "empty packets)",
-    "stock-fails": "a valid file stock cannot read (elementary streams, M2TS/program streams without a frame "
-                   "count) decodes",
+    "stock-fails": "a valid file stock cannot read (elementary streams; containers without a frame count in "
+                   "the header, for PyAV's loaders; AV1, for decord's and OpenCV's FFmpeg builds) decodes",
     "wrong-frames": "stock returns other frames than the indices it asked for (decord's seek on packed B-frames "
                     "and cut clips; torchcodec < 0.16 on a discarded leading keyframe); the twin's are the ones asked for",
     "field-coded": "field-coded interlaced video (each field its own packet, as in broadcast 1080i MPEG-TS): the "
                    "frames the decoder pairs the fields into, at the frame rate; stock counts a frame per field",
-    "high-bit-depth": "10-bit video is converted to 8-bit RGB by torchcodec's FFmpeg (scale filter), not by "
-                      "decord's or OpenCV's own FFmpeg builds",
+    "high-bit-depth": "10-bit video (HEVC, H.264, ProRes) is converted to 8-bit RGB by torchcodec's FFmpeg "
+                      "(scale filter), not by decord's or OpenCV's own FFmpeg builds",
     "moviepy-stream": "a file with several video streams: moviepy reads the first stream's size and the ffmpeg "
                       "command line's stream (garbled frames); the twin returns the first stream",
     "moviepy-rotation": "rotated video: moviepy reads the size before rotation and ffmpeg's rotated frames "
@@ -106,6 +106,16 @@ EXPECTED = {
     "two_video_streams.mp4": _all(["ovis2", "ovis2_5"], "moviepy-stream"),
     "rotated_90.mp4": _all(["ovis2", "ovis2_5"], "moviepy-rotation"),
     "hevc_10bit.mp4": _all(DECORD_CASES + ["vllm"], "high-bit-depth"),
+    # No frame count in the header (WebM, FLV, ASF, MPEG-TS): stock PyAV loaders index nothing.
+    "vp8.webm": _all(["llava", "hf"], "stock-fails"),
+    "flv1.flv": _all(["llava", "hf"], "stock-fails"),
+    "wmv2.wmv": _all(["llava", "hf"], "stock-fails"),
+    # decord's and OpenCV's own FFmpeg builds have no AV1 decoder.
+    "av1.mp4": _all(DECORD_CASES + ["vllm"], "stock-fails"),
+    "mpeg4_bframes.avi": {**_all(DECORD_CASES, "wrong-frames"), "qwen": "wrong-frames"},
+    "h264_10bit.mp4": _all(DECORD_CASES + ["vllm"], "high-bit-depth"),
+    "mpeg2_ts.ts": {**_all(DECORD_CASES, "wrong-frames"), **_all(["llava", "hf", "qwen"], "stock-fails")},
+    "prores.mov": {"vllm": "high-bit-depth"},
     "test-44100Hz-le-1ch-4bytes-early-eof.wav": _all(rw.AUDIO_CASES, "truncated-wav"),
     "variable-block.flac": {"soundfile_pyav": "decodes-more"},
     "two_audio_tracks.mp4": _all(["librosa", "omni"], "audio-tracks"),

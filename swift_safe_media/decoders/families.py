@@ -38,13 +38,17 @@ class Family:
     video_stream: str  # FIRST, BEST or HIGHEST_BITRATE
     rotated: bool  # frames turned upright by the stream's display matrix, as stock returns them
     engine: str  # "torchcodec", or "pyav": the stock library itself, for bit-identical frames
+    # The frame rate stock reads: the header's average rate (decord's get_avg_fps, OpenCV's
+    # CAP_PROP_FPS, moviepy's and PyAV's stream rate), or torchcodec's own average_fps, which
+    # it measures from the frames' timestamps.
+    header_rate: bool = True
 
 
 DECORD = Family("decord", HIGHEST_BITRATE, True, "torchcodec")
 PYAV = Family("pyav", FIRST, False, "pyav")
 OPENCV = Family("opencv", FIRST, True, "torchcodec")
 MOVIEPY = Family("moviepy", FIRST, True, "torchcodec")
-TORCHCODEC = Family("torchcodec", BEST, True, "torchcodec")
+TORCHCODEC = Family("torchcodec", BEST, True, "torchcodec", header_rate=False)
 
 # transformers' load_video backends (ms-swift's VIDEO_LOAD_BACKEND) -> the family that decodes.
 HF_BACKENDS = {"pyav": PYAV, "torchvision": PYAV, "decord": DECORD, "opencv": OPENCV, "torchcodec": TORCHCODEC}

@@ -11,8 +11,9 @@ forever looking for them (decord #373).
 
 Here the count is what the file really holds: torchcodec's exact scan
 (``num_frames_from_content``), or, with PyAV, the frames that decode. The frame rate is
-that count divided by the scanned stream duration, which equals the header's average
-frame rate (decord's ``get_avg_fps()``) whenever the header is right. Each loader then
+the header's average rate where it holds for that count (what decord's ``get_avg_fps()``,
+OpenCV and moviepy read), else that count divided by the scanned stream duration; the
+torchcodec family keeps torchcodec's own measured ``average_fps``, as its stock does. Each loader then
 applies the stock sampling formula to that count and rate, so on an honest file the
 indices are the stock ones, and on a lying file they are the ones stock would pick if
 the header were right. Index ``i`` is the ``i``-th decodable frame in presentation order.
@@ -119,6 +120,12 @@ class TorchcodecVideo:
             duration = num_frames / fps
         nominal = meta.average_fps_from_header
         nominal = float(nominal) if nominal and math.isfinite(nominal) and nominal > 0 else float(fps)
+        if family.header_rate and nominal != fps and abs(num_frames / nominal - duration) <= 1.001 / nominal:
+            # The header's rate holds for the frames the file has: what stock reads. Where a
+            # container keeps no frame durations (FLV, ASF), the scanned duration ends where
+            # the last frame starts, one frame short, and count / duration would be off
+            # (30 frames at 25 fps measured as 25.86): minicpmv's step and moviepy's count moved.
+            fps, duration = nominal, num_frames / nominal
         width, height = meta.width, meta.height
         if self._unturn() % 2:
             width, height = height, width
