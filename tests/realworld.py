@@ -21,14 +21,17 @@ DATA = Path(__file__).resolve().parent / "data"
 FFMPEG = os.environ.get("FFMPEG", "ffmpeg")
 
 # Files of other projects (tests/data/README.md): name -> kind.
-SHIPPED_VIDEO = ["bikes.mp4", "carphone_distorted.mp4", "bigbuckbunny.mp4", "Megamind.avi", "tree.avi"]
+SHIPPED_VIDEO = ["bikes.mp4", "carphone_distorted.mp4", "bigbuckbunny.mp4", "Megamind.avi", "tree.avi",
+                 "h265_video.mp4", "testsrc2_odd_height_vp9.mp4", "nasa_13013_rotated.mp4", "testsrc2_av1_10bit.mp4",
+                 "discard_first_keyframe.mp4"]
 SHIPPED_AUDIO = ["test-44100Hz-be-1ch-4bytes.wav", "test-44100Hz-2ch-32bit-float-le.wav",
                  "test-44100Hz-2ch-32bit-float-be.wav", "test-48000Hz-2ch-64bit-float-le-wavex.wav",
                  "test-8000Hz-le-2ch-1byteu.wav", "test-8000Hz-le-1ch-1byte-ulaw.wav",
                  "test-8000Hz-le-3ch-5S-24bit.wav", "test-44100Hz-le-1ch-4bytes-rf64.wav",
                  "test-1234Hz-le-1ch-10S-20bit-extra.wav", "test-44100Hz-le-1ch-4bytes-early-eof.wav",
                  "bell.oga", "silence-44-s-mpeg25.mp3", "lame.mp3", "alac.m4a", "example.opus", "silence-44-s.ac3",
-                 "silence-44-s.wv", "silence-1.wma", "11k-1ch-2s-silence.aif", "variable-block.flac", "click.mpc"]
+                 "silence-44-s.wv", "silence-1.wma", "11k-1ch-2s-silence.aif", "variable-block.flac", "click.mpc",
+                 "sine_mono_mp3.swf"]
 
 _SRC = ["-f", "lavfi", "-i", "testsrc2=size=160x96:rate=25:duration=1.2"]
 _X264 = ["-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p"]

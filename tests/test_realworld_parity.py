@@ -56,6 +56,8 @@ DESIGN = {
                    "frames the decoder pairs the fields into, at the frame rate; stock counts a frame per field",
     "high-bit-depth": "10-bit video (HEVC, H.264, ProRes) is converted to 8-bit RGB by torchcodec's FFmpeg "
                       "(scale filter), not by decord's or OpenCV's own FFmpeg builds",
+    "odd-height": "4:2:0 video of an odd height is converted to RGB by torchcodec's FFmpeg, not by decord's or "
+                  "OpenCV's own FFmpeg builds, which round the chroma of every row differently",
     "moviepy-stream": "a file with several video streams: moviepy reads the first stream's size and the ffmpeg "
                       "command line's stream (garbled frames); the twin returns the first stream",
     "moviepy-rotation": "rotated video: moviepy reads the size before rotation and ffmpeg's rotated frames "
@@ -116,6 +118,13 @@ EXPECTED = {
     "h264_10bit.mp4": _all(DECORD_CASES + ["vllm"], "high-bit-depth"),
     "mpeg2_ts.ts": {**_all(DECORD_CASES, "wrong-frames"), **_all(["llava", "hf", "qwen"], "stock-fails")},
     "prores.mov": {"vllm": "high-bit-depth"},
+    # torchcodec's own test assets.
+    "h265_video.mp4": {"valley": "wrong-frames"},
+    "testsrc2_odd_height_vp9.mp4": _all(DECORD_CASES + ["vllm"], "odd-height"),
+    "nasa_13013_rotated.mp4": _all(["ovis2", "ovis2_5"], "moviepy-rotation"),
+    "testsrc2_av1_10bit.mp4": _all(DECORD_CASES + ["vllm"], "stock-fails"),
+    "discard_first_keyframe.mp4": {**_all(DECORD_CASES, "wrong-frames"), "qwen": "wrong-frames",
+                                   **_all(["llava", "hf", "vllm"], "frame-count")},
     "test-44100Hz-le-1ch-4bytes-early-eof.wav": _all(rw.AUDIO_CASES, "truncated-wav"),
     "variable-block.flac": {"soundfile_pyav": "decodes-more"},
     "two_audio_tracks.mp4": _all(["librosa", "omni"], "audio-tracks"),
@@ -194,6 +203,15 @@ def _truth(path: str, case: str):
     return frames[np.asarray(picked, dtype=int)], frames
 
 
+def _deep(path: str) -> bool:
+    """More than 8 bits a sample: PyAV's and torchcodec's conversions to 8-bit RGB differ."""
+    import av
+
+    with av.open(path) as container:
+        name = container.streams.video[0].codec_context.pix_fmt or ""
+    return any(bits in name for bits in ("p10", "p12", "p14", "p16"))
+
+
 def _check_design(key: str, name: str, case: str, path: str, ours, stock_state):
     if case == "qwen":  # resized in the sandbox: the frames asked for, counted on what decodes
         truth_frames, info = _truth_frames(path, FAMILY[case])
@@ -204,7 +222,7 @@ def _check_design(key: str, name: str, case: str, path: str, ours, stock_state):
         if key == "audio-tracks" and stock_state[0] == "ok":  # stock: two channels read as one, twice as long
             assert stock_state[1].shape[-1] == 2 * ours[0].shape[-1]
         return
-    if key == "high-bit-depth":  # torchcodec's conversion: the frames of the same FFmpeg qwen's stock uses
+    if key in ("high-bit-depth", "odd-height") or (FAMILY[case].engine == "torchcodec" and _deep(path)):  # torchcodec's conversion: the frames of the same FFmpeg qwen's stock uses
         from torchcodec.decoders import VideoDecoder
 
         decoded = VideoDecoder(path, dimension_order="NHWC").get_frames_at(

@@ -60,6 +60,7 @@ ALLOWED = {
     "voc": ("voc",),
     "musepack": ("mpc", "mpc8"),
     "amr/au/wavpack/ape": ("amr", "au", "wv", "ape"),
+    "swf": ("swf",),
 }
 
 # What PyAV is told to use (format=...) for a container of one demuxer: FFmpeg's short
@@ -69,6 +70,7 @@ PYAV_FORMAT = {
     "mp4/mov": "mov", "matroska/webm": "matroska", "wav": "wav", "w64": "w64", "avi": "avi", "flac": "flac",
     "ogg": "ogg", "mp3": "mp3", "aac": "aac", "aiff": "aiff", "caf": "caf", "asf/wmv": "asf", "flv": "flv",
     "mpeg-ps": "mpeg", "mpeg-ts": "mpegts", "ivf": "ivf", "y4m": "yuv4mpegpipe", "nut": "nut", "voc": "voc",
+    "swf": "swf",
 }
 
 # FFmpeg's av_probe_input_buffer2: buffers from 2 KiB doubling to 1 MiB; a demuxer is

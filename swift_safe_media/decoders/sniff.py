@@ -38,6 +38,8 @@ _MAGIC = (
     (b"Creative Voice File\x1a", "voc"),
     (b"MPCK", "musepack"),  # Musepack SV8
     (b"MP+", "musepack"),  # Musepack SV7
+    (b"FWS", "swf"),  # Flash: MP3 or FLV1 in SWF tags (torchcodec's own test assets have one)
+    (b"CWS", "swf"),  # the same, zlib-compressed; FFmpeg's demuxer reads both
 )
 
 
