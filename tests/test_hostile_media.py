@@ -407,15 +407,17 @@ def test_enabling_protection_leaves_nothing_in_the_temp_dir(corpus, tmp_path):
 def test_lerobot_decode_checks_the_demuxer_before_its_own_decoders_open(corpus, trap):
     """LeRobot's frame decode (run in the sandbox by our adapter) with both its backends."""
     from swift_safe_media import engine
-    from swift_safe_media.integrations import lerobot
+    from swift_safe_media.integrations import lerobot_decode
 
     good = str(corpus["good"] / "clip.mp4")
-    frames = engine.call(lerobot.frames_in_sandbox, good, [0.0, 0.5], 0.05, "torchcodec", path=good)
+    frames = engine.call(lerobot_decode.frames_in_sandbox, good, [0.0, 0.5], 0.05, "torchcodec", False, False,
+                         path=good)
     assert tuple(frames.shape[:2]) == (2, 3)
     for name in ("id3_hls.mp3", "xml_comment_dash.mp4", "id3_ffconcat.mp3"):
         path = corpus["hostile"] / name
         path.write_bytes(hostile_files(corpus, trap.port)[name])
         for backend in ("torchcodec", "pyav"):
-            refused_quietly(lambda p: engine.call(lerobot.frames_in_sandbox, p, [0.0], 0.05, backend, path=p),
+            refused_quietly(lambda p: engine.call(lerobot_decode.frames_in_sandbox, p, [0.0], 0.05, backend, False,
+                                                  False, path=p),
                             str(path), str(path), corpus)
     assert not trap.was_contacted()
