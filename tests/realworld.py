@@ -92,6 +92,14 @@ SYNTHESIZED.update({
                       *_X264, "{out}"]],
     "mpeg2_ts.ts": [[*_QCIF, "-c:v", "mpeg2video", "-f", "mpegts", "{out}"]],
     "prores.mov": [[*_QCIF, "-c:v", "prores_ks", "-profile:v", "0", "{out}"]],
+    # H.264 with B-frames in AVI, which stores no presentation times.
+    "h264_bframes.avi": [["-f", "lavfi", "-i", "testsrc2=size=176x144:rate=25:duration=2", "-c:v", "libx264",
+                          "-bf", "2", "-pix_fmt", "yuv420p", "{out}"]],
+    # Cover art (an attached picture) as a second video stream, as downloaders write it.
+    "cover_art.mp4": [["-f", "lavfi", "-i", "testsrc2=size=64x64:rate=1:duration=1", "-frames:v", "1",
+                       "{dir}/_cover.jpg"],
+                      [*_QCIF, "-i", "{dir}/_cover.jpg", "-map", "0", "-map", "1", "-c:v:0", "libx264", "-pix_fmt",
+                       "yuv420p", "-c:v:1", "mjpeg", "-disposition:v:1", "attached_pic", "{out}"]],
 })
 SYNTHESIZED_VIDEO = [name for name in SYNTHESIZED if name not in ("two_audio_tracks.mp4", "wav_16ch.wav",
                                                                    "flac_192k.flac")]
