@@ -51,7 +51,8 @@ DESIGN = {
     "stock-fails": "a valid file stock cannot read (elementary streams; containers without a frame count in "
                    "the header, for PyAV's loaders; AV1, for decord's and OpenCV's FFmpeg builds) decodes",
     "wrong-frames": "stock returns other frames than the indices it asked for (decord's seek on packed B-frames "
-                    "and cut clips; torchcodec < 0.16 on a discarded leading keyframe); the twin's are the ones asked for",
+                    "and cut clips; torchcodec < 0.16 on a discarded leading keyframe, torchcodec on B-frames in AVI); "
+                    "the twin's are the ones asked for",
     "field-coded": "field-coded interlaced video (each field its own packet, as in broadcast 1080i MPEG-TS): the "
                    "frames the decoder pairs the fields into, at the frame rate; stock counts a frame per field",
     "high-bit-depth": "10-bit video (HEVC, H.264, ProRes) is converted to 8-bit RGB by torchcodec's FFmpeg "
