@@ -39,6 +39,22 @@ class MediaQuarantined(MediaDecodeError):
     """The file failed before and has not changed since, so it is refused at once."""
 
 
+def short_reason(exc: BaseException) -> str:
+    """One line naming what a decoder or library raised: its type and the last line of its
+    message (where native code puts the cause), at most 300 characters."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
+
+
+def decode_failure(label, exc: BaseException, what: str, by: str) -> BaseException:
+    """The error for a decoder (`by`) that raised `exc` while `what`: a MemoryError when
+    it was an allocation failure (so the caller reports the memory cap and replaces the
+    sandbox), else MediaDecodeError("decode failed (by): ...")."""
+    if is_out_of_memory(exc):
+        return MemoryError(f"{what}: {short_reason(exc)}")
+    return MediaDecodeError(label, f"decode failed ({by}): {short_reason(exc)}")
+
+
 # How allocation failures read when they do not arrive as MemoryError: C++ allocators
 # under RLIMIT_AS ("can't allocate memory", bad_alloc), OSError errno 12, and torch's
 # stable ABI, which torchcodec calls through and which hides the reason of a failed

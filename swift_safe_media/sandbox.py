@@ -137,9 +137,8 @@ def _unsendable(result, exc: BaseException) -> errors.MediaDecodeError:
     described = type(result).__name__
     if size:
         described += f", {size / (1 << 20):.0f} MB of arrays" if size >= 1 << 20 else f", {size} bytes of arrays"
-    text = str(exc).strip().splitlines()
-    reason = f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
-    return errors.MediaDecodeError(None, f"the result ({described}) cannot be sent back to the caller: {reason}")
+    return errors.MediaDecodeError(None, f"the result ({described}) cannot be sent back to the caller: "
+                                         f"{errors.short_reason(exc)}")
 
 
 def run_each(fn, arguments):

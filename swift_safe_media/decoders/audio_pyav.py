@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import MediaDecodeError, is_out_of_memory
+from ..errors import MediaDecodeError, decode_failure, short_reason
 from . import demuxers, guards
 
 
@@ -22,11 +22,6 @@ def available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
 
 
 def resample_like_stock(y, orig_sr: float, target_sr: float):
@@ -83,9 +78,7 @@ def decode_like_stock(label, data, limits: guards.Limits, sr, mono: bool):
         except MediaDecodeError:
             raise
         except Exception as exc:
-            if is_out_of_memory(exc):
-                raise MemoryError(f"decoding audio with PyAV: {_reason(exc)}") from None
-            raise MediaDecodeError(label, f"decode failed (PyAV): {_reason(exc)}") from None
+            raise decode_failure(label, exc, "decoding audio with PyAV", "PyAV") from None
     if not chunks:
         raise MediaDecodeError(label, "no audio samples decoded")
     y = np.concatenate(chunks, axis=-1).astype(np.float32)
@@ -127,11 +120,9 @@ def decode_float(label, data, limits: guards.Limits, offset: float, duration, st
                     break
             chunks.extend(out.to_ndarray() for out in to_float.resample(None))
         except Exception as exc:
-            if is_out_of_memory(exc):
-                raise MemoryError(f"decoding audio with PyAV: {_reason(exc)}") from None
-            raise MediaDecodeError(label, f"decode failed (PyAV): {_reason(exc)}") from None
+            raise decode_failure(label, exc, "decoding audio with PyAV", "PyAV") from None
         if not chunks and last_error is not None:
-            raise MediaDecodeError(label, f"decode failed (PyAV, {errors} packets): {_reason(last_error)}")
+            raise MediaDecodeError(label, f"decode failed (PyAV, {errors} packets): {short_reason(last_error)}")
     if not chunks:
         raise MediaDecodeError(label, "no audio samples decoded")
     y = np.concatenate(chunks, axis=-1).astype(np.float32)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import MediaDecodeError, is_out_of_memory
+from ..errors import MediaDecodeError, decode_failure, short_reason
 from . import demuxers
 from .videoinfo import VideoInfo
 
@@ -32,11 +32,6 @@ from .videoinfo import VideoInfo
 PALETTE_CODECS = frozenset({"rawvideo", "qtrle", "smc", "msrle", "8bps", "msvideo1", "aasc", "tscc", "cinepak",
                             "idcin", "rpza", "zmbv", "flic", "qpeg", "tmv", "rl2", "cdgraphics", "anm", "bethsoftvid",
                             "interplayvideo", "kgv1", "mszh", "zlib", "rscc", "bmp"})
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
 
 
 def _rotate(frame, degrees: float):
@@ -105,7 +100,7 @@ class PyAVVideo:
         except MediaDecodeError:
             raise
         except Exception as exc:
-            raise MediaDecodeError(self.label, f"cannot read video packets: {_reason(exc)}") from None
+            raise MediaDecodeError(self.label, f"cannot read video packets: {short_reason(exc)}") from None
         finally:
             container.close()
         self.info = self._info(len(times), min(times) if times else 0.0, end, nominal)
@@ -163,9 +158,7 @@ class PyAVVideo:
         except MediaDecodeError:
             raise
         except Exception as exc:
-            if is_out_of_memory(exc):
-                raise MemoryError(f"decoding with PyAV: {_reason(exc)}") from None
-            raise MediaDecodeError(self.label, f"decode failed (PyAV): {_reason(exc)}") from None
+            raise decode_failure(self.label, exc, "decoding with PyAV", "PyAV") from None
         finally:
             container.close()
         missing = [k for k, frame in enumerate(out) if frame is None]

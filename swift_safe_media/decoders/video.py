@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from .. import config
-from ..errors import MediaDecodeError, is_out_of_memory
+from ..errors import MediaDecodeError, is_out_of_memory, short_reason
 from . import demuxers, families, guards, inputs
 from .families import Family
 from .pyav_video import PALETTE_CODECS, PyAVVideo
@@ -50,18 +50,10 @@ class Recounted(Exception):
     """Decoding found another frame count than the packets promised: choose again."""
 
 
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
-
-
-def decode_failure(label, exc: BaseException, what: str) -> BaseException:
-    """The error for a decoder call that raised `exc`: a MemoryError when it was an
-    allocation failure (so the caller reports the memory cap and replaces the sandbox),
-    else MediaDecodeError("decode failed: ...")."""
-    if is_out_of_memory(exc):
-        return MemoryError(f"{what}: {_reason(exc)}")
-    return MediaDecodeError(label, f"decode failed: {_reason(exc)}")
+def _check_indices(label, indices, num_frames: int) -> None:
+    bad = [i for i in indices if not 0 <= i < num_frames]
+    if bad:
+        raise MediaDecodeError(label, f"frame index {bad[0]} outside the {num_frames} decodable frames")
 
 
 def _torchcodec_version() -> tuple[int, int]:
@@ -141,10 +133,10 @@ class TorchcodecVideo:
                                 num_ffmpeg_threads=config.decoder_threads())
         except Exception as exc:
             if is_out_of_memory(exc):
-                raise MemoryError(f"opening the video: {_reason(exc)}") from None
+                raise MemoryError(f"opening the video: {short_reason(exc)}") from None
             # A valid file torchcodec cannot open (a raw H.264 stream it cannot seek in):
             # PyAV reads it from the start, or says why it cannot either.
-            raise Untrusted(f"cannot open video: {_reason(exc)}", stream_index) from None
+            raise Untrusted(f"cannot open video: {short_reason(exc)}", stream_index) from None
 
     def _check_trusted(self, meta) -> None:
         pixel_format = getattr(meta, "pixel_format", None)
@@ -177,10 +169,7 @@ class TorchcodecVideo:
         by_time = isinstance(picked, Seconds)
         picked = [float(t) for t in picked] if by_time else [int(i) for i in picked]
         if not by_time:
-            bad = [i for i in picked if not 0 <= i < self.info.num_frames]
-            if bad:
-                raise MediaDecodeError(self.label, f"frame index {bad[0]} outside the {self.info.num_frames} "
-                                                   f"decodable frames")
+            _check_indices(self.label, picked, self.info.num_frames)
         step = step or max(1, len(picked))
         for start in range(0, len(picked), step):
             chunk, probe = picked[start:start + step], False
@@ -200,8 +189,8 @@ class TorchcodecVideo:
             except Exception as exc:
                 if is_out_of_memory(exc):
                     raise MemoryError(f"decoding {len(chunk)} frames of {self.info.width}x{self.info.height}: "
-                                      f"{_reason(exc)}") from None
-                raise Untrusted(f"torchcodec failed: {_reason(exc)}", self.stream_index, self.rotation) from None
+                                      f"{short_reason(exc)}") from None
+                raise Untrusted(f"torchcodec failed: {short_reason(exc)}", self.stream_index, self.rotation) from None
             frames = batch.data.numpy()
             if by_time:
                 self._check_played(times, batch.pts_seconds.tolist(), batch.duration_seconds.tolist())
@@ -265,10 +254,7 @@ class PyAVReader:
             seconds = [float(t) for t in picked]
         else:
             indices = [int(i) for i in picked]
-            bad = [i for i in indices if not 0 <= i < self.info.num_frames]
-            if bad:
-                raise MediaDecodeError(self.label, f"frame index {bad[0]} outside the {self.info.num_frames} "
-                                                   f"decodable frames")
+            _check_indices(self.label, indices, self.info.num_frames)
         try:
             frames, count = self.video.decode(indices, seconds)
         except MediaDecodeError as exc:
@@ -386,5 +372,5 @@ def load_images(sources, limits: guards.Limits, url_timeout):
         except MediaDecodeError:
             raise
         except Exception as exc:
-            raise MediaDecodeError(source.label, f"cannot load image: {_reason(exc)}") from None
+            raise MediaDecodeError(source.label, f"cannot load image: {short_reason(exc)}") from None
     return np.stack(frames)
