@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import math
 
-from ..errors import MediaDecodeError, is_out_of_memory
+from ..errors import MediaDecodeError, is_out_of_memory, short_reason
 from . import audio_pyav, demuxers, families, guards, inputs
 
 # A decode this much shorter than the header's duration is checked against PyAV's.
@@ -20,11 +20,6 @@ _SHORT_BY_SECONDS = 0.02
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
 _SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}"[:300]
 
 
 def _read_soundfile(label, data, limits, offset, duration):
@@ -56,7 +51,7 @@ def _open_audio(label, data, stream_index=None):
     except Exception as exc:
         if "audio stream" in str(exc).lower():
             raise MediaDecodeError(label, "no audio stream") from None
-        raise MediaDecodeError(label, f"cannot open audio: {_reason(exc)}") from None
+        raise MediaDecodeError(label, f"cannot open audio: {short_reason(exc)}") from None
 
 
 def _audio_streams(label, data, decoder, rule):
@@ -100,14 +95,14 @@ def _read_torchcodec(label, data, limits, offset, duration, rule=families.COMMAN
         y = samples.data.numpy()
     except Exception as exc:
         if is_out_of_memory(exc):
-            raise MemoryError(f"decoding {span:.0f} s of audio: {_reason(exc)}") from None
+            raise MemoryError(f"decoding {span:.0f} s of audio: {short_reason(exc)}") from None
         if not audio_pyav.available():
-            raise MediaDecodeError(label, f"decode failed: {_reason(exc)}") from None
+            raise MediaDecodeError(label, f"decode failed: {short_reason(exc)}") from None
         # A valid file torchcodec cannot decode (it seeks first): PyAV from the start.
         try:
             y, native_sr = audio_pyav.decode_float(label, data, limits, offset, duration, decoder.stream_index)
         except MediaDecodeError as pyav_exc:
-            raise MediaDecodeError(label, f"decode failed: {_reason(exc)}; PyAV could not decode it either: "
+            raise MediaDecodeError(label, f"decode failed: {short_reason(exc)}; PyAV could not decode it either: "
                                           f"{pyav_exc.reason}") from None
     if header_seconds and offset == 0 and duration is None and audio_pyav.available() \
             and y.shape[-1] < (header_seconds - _SHORT_BY_SECONDS) * native_sr:
@@ -148,12 +143,16 @@ def decode(label, data, limits, offset=0.0, duration=None, rule=families.COMMAND
     """(float32 samples at the native rate, native rate, decoded by soundfile?). `rule`:
     which audio stream of a container with several (``families.pick_audio``): librosa's
     audioread pipe takes what the ffmpeg command line maps, PyAV's users the first."""
-    kind = guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
-    if kind in _SOUNDFILE_CONTAINERS:
+    if _container(data) in _SOUNDFILE_CONTAINERS:
         result = _read_soundfile(label, data, limits, offset, duration)
         if result is not None:
             return (*result, True)
     return (*_read_torchcodec(label, data, limits, offset, duration, rule), False)
+
+
+def _container(data) -> str | None:
+    """What container `data` (bytes or a guarded path) starts."""
+    return guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
 
 
 def _head(path: str) -> bytes:
@@ -189,10 +188,8 @@ def load_soundfile_pyav(source: inputs.Source, limits: guards.Limits, url_timeou
 
     data = inputs.materialize(source, limits, url_timeout)
     with_pyav = audio_pyav.available()
-    kind = guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
-    if with_pyav and kind not in _SOUNDFILE_CONTAINERS:
-        return audio_pyav.decode_like_stock(source.label, data, limits, sr, mono)
-    result = _read_soundfile(source.label, data, limits, 0.0, None) if kind in _SOUNDFILE_CONTAINERS else None
+    by_libsndfile = _container(data) in _SOUNDFILE_CONTAINERS
+    result = _read_soundfile(source.label, data, limits, 0.0, None) if by_libsndfile else None
     if result is None and with_pyav:
         return audio_pyav.decode_like_stock(source.label, data, limits, sr, mono)
     if result is not None:
