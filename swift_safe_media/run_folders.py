@@ -81,12 +81,8 @@ def _base(kind: str) -> str:
 
 def release(folder: str) -> None:
     """Remove a folder :func:`make` made here, now (its owner is done with it)."""
-    lock = process.current().temporary_folders.pop(folder, None)
     shutil.rmtree(folder, ignore_errors=True)
-    if lock is not None and lock >= 0:
-        os.close(lock)
-    if lock is not None:
-        _tell_zygote()
+    forget(folder)
 
 
 def forget(folder: str) -> None:
