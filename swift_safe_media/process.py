@@ -56,6 +56,11 @@ def current() -> ProcessState:
     return _state
 
 
+def rank() -> int:
+    """This process's rank in a distributed run (torchrun's ``RANK``); 0 outside one."""
+    return int(os.environ.get("RANK", 0))
+
+
 def _after_fork_in_child() -> None:
     global _state
     inherited, _state = _state, ProcessState()

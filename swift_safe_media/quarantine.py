@@ -35,7 +35,7 @@ import re
 import socket
 import threading
 
-from . import config
+from . import config, process
 from .config import QUARANTINE  # noqa: F401 (its name, where callers look)
 from .errors import MediaQuarantined
 
@@ -204,7 +204,7 @@ class Registry:
         real, size, mtime_ns = identity
         entry = {"path": real, "size": size, "mtime_ns": mtime_ns, "kind": kind, "reason": reason,
                  "elapsed": None if elapsed is None else round(elapsed, 3),
-                 "host": socket.gethostname(), "rank": int(os.environ.get("RANK", 0)), "pid": os.getpid(),
+                 "host": socket.gethostname(), "rank": process.rank(), "pid": os.getpid(),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         if self.registry_path is None:
             with self._lock:

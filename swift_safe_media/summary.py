@@ -116,7 +116,7 @@ class Recorder:
         state = {"pid": os.getpid(), "counts": self.counts, "seen": self.seen, "latencies": self.latencies,
                  "slow_files": {path: list(kept) for path, kept in self.slow_files.items()}}
         if self.step is not None:
-            state.update(rank=int(os.environ.get("RANK", 0)), step=self.step)
+            state.update(rank=process.rank(), step=self.step)
         partial = f"{self.path}.{os.getpid()}.tmp"
         try:
             with open(partial, "w") as out:

@@ -262,7 +262,7 @@ def megatron_event_with_summary(stock_call_event, trainer, event, **kwargs):
     if event in ("on_log", "on_train_end") and trainer.state is not None:
         step = trainer.state.iteration
         summary.note_step(step)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if process.rank() == 0:
             summary.report(step=step, final=event == "on_train_end")
     return result
 
@@ -356,7 +356,7 @@ def protect_run(args) -> None:
     if output_dir and not config.is_set(config.QUARANTINE):
         registry = os.path.join(output_dir, RUN_FOLDER, "quarantine.jsonl")
     swift_safe_media.enable(hosts=[HOST], quarantine=registry)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if process.rank() == 0:
         summary.report_at_exit(summary.step_noted)  # training that dies gets its summary too
 
 
