@@ -1,7 +1,8 @@
 # `make test` and `make demo` set everything up on a fresh machine: FFmpeg's shared
 # libraries and libseccomp2 (apt), then .venv/ with the pinned test environment; `make test` also builds
 # .venv-lerobot/, LeRobot 0.4.4 with its own pins, and .venv-lerobot-0.6/, LeRobot 0.6.1 with its own
-# pins on Python 3.12, where the real lerobot-train runs.
+# pins on Python 3.12, where the real lerobot-train runs, and .venv-llamafactory/, LLaMA-Factory 0.9.5
+# with its own pins, where the real llamafactory-cli train runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -12,6 +13,9 @@ LEROBOT_STAMP := $(LEROBOT_VENV)/.installed
 LEROBOT06_VENV := .venv-lerobot-0.6
 LEROBOT06_PY := $(LEROBOT06_VENV)/bin/python
 LEROBOT06_STAMP := $(LEROBOT06_VENV)/.installed
+LLAMAFACTORY_VENV := .venv-llamafactory
+LLAMAFACTORY_PY := $(LLAMAFACTORY_VENV)/bin/python
+LLAMAFACTORY_STAMP := $(LLAMAFACTORY_VENV)/.installed
 # Other LeRobot releases, without their dependencies (0.6.1's serve them), each in a folder of
 # its own under the 0.6 venv: tests/test_lerobot_versions.py runs the adapter against each.
 LEROBOT_RELEASES := 0.5.0 0.5.1 0.6.0
@@ -62,6 +66,16 @@ $(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES)
 			--target $(LEROBOT06_VENV)/lerobot-releases/$$release lerobot==$$release || exit 1; done
 	@touch $(LEROBOT06_STAMP)
 
+# LLaMA-Factory 0.9.5's own environment on Python 3.11, exactly as pip resolves `llamafactory==0.9.5`
+# with torch 2.11 (torchaudio's last release), with our package installed as a user installs it.
+$(LLAMAFACTORY_STAMP): requirements-llamafactory.txt pyproject.toml $(SOURCES)
+	@$(MAKE) --no-print-directory ffmpeg
+	@[ -x $(LLAMAFACTORY_PY) ] || $(PYTHON) -m venv $(LLAMAFACTORY_VENV)
+	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-llamafactory.txt
+	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	$(LLAMAFACTORY_PY) -m pip check
+	@touch $(LLAMAFACTORY_STAMP)
+
 # Prints the path of a Python 3.12: $(PYTHON312), python3.12 on PATH, pyenv's, uv's, or one
 # apt installs (Debian 13 / Ubuntu 24.04 have it); else stops, saying how to get one.
 python3.12:
@@ -94,13 +108,13 @@ ffmpeg:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg libseccomp2 >/dev/null; \
 	fi
 
-test: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP)
+test: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP) $(LLAMAFACTORY_STAMP)
 	$(PY) -m pytest
 
 demo: $(STAMP)
 	$(PY) -m swift_safe_media.demo
 
-bench: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP)
+bench: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP) $(LLAMAFACTORY_STAMP)
 	$(PY) bench/engine.py
 	$(PY) bench/decoders.py
 	$(PY) bench/scan.py
@@ -117,4 +131,4 @@ dist: $(STAMP)
 	$(PY) -m twine check --strict dist/*
 
 clean:
-	rm -rf $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) dist
+	rm -rf $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) $(LLAMAFACTORY_VENV) dist

@@ -1,14 +1,14 @@
 """Start-up hook, imported by ``swift_safe_media.pth`` in every interpreter.
 
 Cheap (no import beyond ``os`` and ``sys``), run-once and failing open: it only
-watches for a host framework (ms-swift, LeRobot) to begin importing, then hands over
+watches for a host framework (ms-swift, LeRobot, LLaMA-Factory) to begin importing, then hands over
 to ``swift_safe_media.activation``, which reads ``SWIFT_SAFE_MEDIA`` and the flags.
 """
 
 import os
 import sys
 
-_HOSTS = ("swift", "lerobot")
+_HOSTS = ("swift", "lerobot", "llamafactory")
 
 
 class _HostWatcher:

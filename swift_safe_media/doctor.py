@@ -166,7 +166,7 @@ def report(out=sys.stdout) -> int:
     say(f"swift-safe-media {__version__}: doctor (Python {platform.python_version()}, {sys.executable})")
     hosts = hosts_found()
     installed_hosts = [name for name, version, _, _ in hosts if version]
-    needs = preflight.needs_of([{"ms-swift": "swift", "lerobot": "lerobot"}[name] for name in installed_hosts]
+    needs = preflight.needs_of([{"ms-swift": "swift", "lerobot": "lerobot", "llamafactory": "llamafactory"}[name] for name in installed_hosts]
                                or None)
     findings = preflight.inspect(needs)
     problems = [finding for finding in findings if not finding.ok and finding.required]

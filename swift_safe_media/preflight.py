@@ -58,6 +58,9 @@ QWEN_OMNI = "qwen_omni_utils"  # ms-swift's Qwen2.5-Omni / Qwen3-Omni models and
 HOST_NEEDS = {
     "swift": (TORCHCODEC, SOUNDFILE, SOXR, QWEN_OMNI),
     "lerobot": (LEROBOT_VIDEO,),
+    # LLaMA-Factory's own readers (PyAV, torchaudio, PIL) run in the sandbox: it needs
+    # nothing beyond what LLaMA-Factory itself needs.
+    "llamafactory": (),
 }
 # What qwen_omni_utils imports as it loads (its audio_process module), by distribution.
 QWEN_OMNI_IMPORTS = {"audioread": "audioread", "librosa": "librosa", "av": "av"}

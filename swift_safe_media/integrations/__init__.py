@@ -45,6 +45,7 @@ log = logging.getLogger("swift_safe_media")
 ADAPTERS = {
     "swift": "swift_safe_media.integrations.swift",
     "lerobot": "swift_safe_media.integrations.lerobot",
+    "llamafactory": "swift_safe_media.integrations.llamafactory",
 }
 
 ENABLED = config.ENABLED
