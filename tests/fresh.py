@@ -35,11 +35,13 @@ def clean_environment(extra: dict | None = None, *, pythonpath: list[str] | None
 
 
 def run_python(*, code: str | None = None, module: str | None = None, args=(), env: dict | None = None,
-               cwd: str = ROOT, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -c CODE ARGS`` or ``python -m MODULE ARGS`` in ``cwd``; with ``check``,
-    assert it exited 0 (showing the end of its stderr if not)."""
+               cwd: str = ROOT, timeout: float = 120, check: bool = True,
+               python: str | None = None) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS`` or ``python -m MODULE ARGS`` in ``cwd`` (``python``: another
+    environment's interpreter); with ``check``, assert it exited 0 (showing the end of its
+    stderr if not)."""
     program = ["-c", code] if code is not None else ["-m", module]
-    done = subprocess.run([sys.executable, *program, *map(str, args)], env=clean_environment() if env is None else env,
+    done = subprocess.run([python or sys.executable, *program, *map(str, args)], env=clean_environment() if env is None else env,
                           cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]

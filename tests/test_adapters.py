@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +15,13 @@ from . import megatron_shim
 from .fresh import clean_environment, run_python
 
 HOSTS_INSTALLED = {"swift": "swift.template", "lerobot": "lerobot.datasets"}
+# Hosts with an environment of their own (their pins): the case runs with its interpreter.
+HOST_PYTHON = {"llamafactory": Path(__file__).resolve().parent.parent / ".venv-llamafactory" / "bin" / "python"}
 
 
 def installed(host: str) -> bool:
+    if host in HOST_PYTHON:
+        return HOST_PYTHON[host].exists()
     try:
         return importlib.util.find_spec(HOSTS_INSTALLED[host]) is not None
     except ModuleNotFoundError:
@@ -32,7 +37,8 @@ def test_patch_and_restore_in_every_order(host, order, tmp_path):
     # ms-swift's table includes Megatron-SWIFT's trainer, which imports only with Transformer
     # Engine's name importable (tests/megatron_shim.py).
     env = clean_environment(pythonpath=[megatron_shim.write(str(tmp_path / "te_shim"))]) if host == "swift" else None
-    done = run_python(module="tests.programs.adapter_order", args=[host, order], timeout=180, env=env)
+    done = run_python(module="tests.programs.adapter_order", args=[host, order], timeout=180, env=env,
+                      python=HOST_PYTHON.get(host))
     enabled, twice, disabled, again = json.loads(done.stdout.strip().splitlines()[-1])
     assert enabled["targets"] and all(enabled["targets"].values()), enabled
     assert not enabled["missing"], f"targets the installed {host} lacks: {enabled['missing']}"
