@@ -56,6 +56,7 @@ TARGETS = (
                           ("MMPluginMixin", "_regularize_audios"), ("Qwen2VLPlugin", "_regularize_videos"),
                           ("Gemma4Plugin", "_regularize_videos"))),
     Target(MM_PLUGIN, "Qwen2VLPlugin._get_qwen_video_stream_metadata", f"{_DECODE}:video_metadata_in_sandbox"),
+    Target(MM_PLUGIN, "MiniCPMV4_6Plugin._get_mm_inputs", f"{_DECODE}:mm_inputs_in_sandbox"),
     *(Target(f"llamafactory.data.processor.{module}", f"{cls}.preprocess_dataset",
              f"{_ROWS}:preprocess_dropping_bad_rows") for module, cls in _PROCESSORS),
     *(Target(COLLATOR, f"{cls}.__call__", f"{_ROWS}:collate_or_substitute")

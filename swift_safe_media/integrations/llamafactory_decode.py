@@ -5,7 +5,9 @@ inherits or overrides: ``_regularize_images`` (PIL), ``_regularize_videos`` (PyA
 ``av.open`` and a decode loop; overridden by ``Qwen2VLPlugin``, so its Qwen2.5/3-VL and
 Omni subclasses too, and by ``Gemma4Plugin``), ``_regularize_audios``
 (``torchaudio.load``, which reads through torchcodec) and
-``Qwen2VLPlugin._get_qwen_video_stream_metadata`` (``av.open`` for the token count).
+``Qwen2VLPlugin._get_qwen_video_stream_metadata`` (``av.open`` for the token count);
+MiniCPM-V 4.6's ``_get_mm_inputs`` hands the files to the Hugging Face processor, which
+reads them: that whole call runs in the sandbox.
 Each stand-in runs LLaMA-Factory's own method, unpatched, in the sandbox, one media item
 per call (the methods treat each item on its own, so the merged lists are what one call
 gives): outputs are stock's by construction, bit for bit. Items already decoded (PIL
@@ -94,6 +96,18 @@ def video_metadata_in_sandbox(stock, plugin, video, *args, **kwargs):
     if name is None:
         return stock(plugin, video, *args, **kwargs)
     return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (video, *args), kwargs, name, path=name)
+
+
+def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwargs):
+    """``_get_mm_inputs`` of a plugin that hands the files themselves to the Hugging Face
+    processor (MiniCPM-V 4.6: its image and video processors and ``audio_feature_extract``
+    read them): the whole call, processor included, in the sandbox. A failure names the
+    batch's first file (the processor reads them all in one call)."""
+    names = [name for items in (images, videos, audios) for name in map(media_name, items or ()) if name]
+    if not names:
+        return stock(plugin, images, videos, audios, processor, **kwargs)
+    return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (images, videos, audios, processor), kwargs,
+                       names[0], path=names[0])
 
 
 def failed_path(exc: BaseException) -> str | None:
