@@ -118,11 +118,13 @@ def run_train(command: list[str], bound: float, env=None) -> dict:
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
     seen: dict[int, tuple[int, int, str]] = {}  # every descendant seen while it ran
+    sightings: dict[int, int] = {}  # how many polls saw it (a fork about to exec is seen once)
     deadline = time.monotonic() + bound
     while process.poll() is None and time.monotonic() < deadline:
         table = process_table()
         for pid, row in descendants(table, process.pid).items():
             seen.setdefault(pid, row)
+            sightings[pid] = sightings.get(pid, 0) + 1
         time.sleep(0.2)
     hung = process.poll() is None
     if hung:
@@ -130,7 +132,7 @@ def run_train(command: list[str], bound: float, env=None) -> dict:
     process.wait()
     reader.join(timeout=10)
     return {"returncode": None if hung else process.returncode, "output": "".join(output),
-            "seen": seen, "pid": process.pid}
+            "seen": seen, "sightings": sightings, "pid": process.pid}
 
 
 def left_behind(seen, grace: float = 10.0) -> list[str]:

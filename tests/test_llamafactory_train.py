@@ -76,6 +76,12 @@ def test_protected_llamafactory_train_drops_every_bad_row_and_names_it(built, tm
         assert f"swift_safe_media: dropped 1 row from the dataset: {path}: " in output, (name, output[-4000:])
     assert f"dropped 1 row from the dataset: {built['media:fifo.wav']}: decode overran its {TIMEOUT_S} s timeout" \
         in output
+    # The workers come from the warm forkserver (the Omni collator's model travels as a meta
+    # copy), not from forking the trainer; nothing of the run outlives it.
+    assert "swift_safe_media: DataLoader workers use the 'forkserver' start method" in output, output[-4000:]
+    # (A fork that is about to exec a helper keeps the trainer's command line for a moment.)
+    forked = [row[2] for pid, row in run["seen"].items() if str(CLI) in row[2] and run["sightings"][pid] > 3]
+    assert not forked, forked
     assert not left_behind(run["seen"])
 
     registry = output_dir / "safe_media" / "quarantine.jsonl"

@@ -6,8 +6,10 @@ the workers' start method, the run summary and the ``safe_media*`` settings.
   the timeout, LLaMA-Factory's own code run there, so outputs are stock's bit for bit;
 - :mod:`.llamafactory_rows`: a row whose media fail is dropped at preprocessing, a
   sample whose media fail at collation is replaced by another of its batch;
-- here: the protocol of :mod:`swift_safe_media.integrations`, the settings, the summary
-  callback and the workers' start method.
+- :mod:`.llamafactory_workers`: the workers' start method (the warm forkserver) and the
+  collator as a worker receives it (its model as a meta copy);
+- here: the protocol of :mod:`swift_safe_media.integrations`, the settings and the summary
+  callback.
 
 Settings. ``llamafactory-cli train run.yaml`` parses its YAML (with ``key=value``
 overrides, or a plain ``--key value`` command line) with ``HfArgumentParser``, which refuses
@@ -29,6 +31,7 @@ from .. import config, engine, process, summary
 from . import env_state, flags, installed_version
 from ._patching import Patcher, Patches, Target, original_of
 from .llamafactory_decode import MM_PLUGIN, import_llamafactory_in_sandbox
+from .llamafactory_workers import worker_start_method  # noqa: F401 (protocol)
 
 log = logging.getLogger("swift_safe_media")
 
@@ -62,6 +65,9 @@ TARGETS = (
     *(Target(COLLATOR, f"{cls}.__call__", f"{_ROWS}:collate_or_substitute")
       for cls in ("MultiModalDataCollatorForSeq2Seq", "SFTDataCollatorWith4DAttentionMask",
                   "PairwiseDataCollatorWithPadding", "KTODataCollatorWithPadding")),
+    # Workers started by the warm forkserver get the collator's model as a meta copy.
+    Target(COLLATOR, "MultiModalDataCollatorForSeq2Seq.__getstate__",
+           "swift_safe_media.integrations.llamafactory_workers:collator_state_for_workers", only_if_missing=True),
     Target(TUNER, "_training_function", "training_function_with_summary"),
 )
 
@@ -104,38 +110,6 @@ def patch() -> None:
 def unpatch() -> None:
     PATCHES.unpatch()
     engine.forget_sandbox_setup(import_llamafactory_in_sandbox)
-
-
-# -- workers ------------------------------------------------------------------------------------
-def worker_start_method(loader) -> str | None:
-    """The start method of a DataLoader that collates with LLaMA-Factory's collator and
-    names none (LLaMA-Factory has no setting for it; its workers fork): ours
-    (``SWIFT_SAFE_MEDIA_MP_CONTEXT``, the warm forkserver by default). A collator that
-    holds the model (Qwen-VL and Omni plugins compute their rope index with it) would send
-    the whole model to every worker started so: those fork from the trainer, as stock's do;
-    their decodes still run in sandboxes of the clean zygote."""
-    if loader.multiprocessing_context is not None:
-        return None  # named by the user
-    collator = loader.collate_fn
-    if not type(collator).__module__.startswith("llamafactory."):
-        return None
-    method = config.mp_context()
-    if method == "default":
-        return None
-    if getattr(collator, "model", None) is not None and method != "fork":
-        _announce("the collator holds the model: DataLoader workers fork from the trainer, as stock's do")
-        return "fork"
-    _announce(f"DataLoader workers use the {method!r} start method")
-    return method
-
-
-_announced: set[str] = set()
-
-
-def _announce(message: str) -> None:
-    if message not in _announced:
-        _announced.add(message)
-        log.warning("swift_safe_media: %s", message)
 
 
 # -- settings -----------------------------------------------------------------------------------
