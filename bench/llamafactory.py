@@ -1,0 +1,155 @@
+"""The real ``llamafactory-cli train``, stock vs ``safe_media: true``, side by side in one run.
+
+A tiny random Qwen2.5-Omni, LoRA on the CPU with the ``qwen2_omni`` template (torch on one
+thread), over a clean dataset of 2 s h264+aac clips (as videos) and 1 s tones (as audios),
+batch size 2, 2 DataLoader workers, from LLaMA-Factory 0.9.5's own environment
+(``.venv-llamafactory/``, built by ``make test``). Stock's workers fork from the trainer;
+ours start from the warm forkserver. Rounds alternate which side goes first, so both see
+the same load. Per run: the wall time of the whole command, the first batch's wait (from
+the moment the trainer has its DataLoader to the first training step: worker start-up and
+the first collation, where every media file of the batch is decoded again), the steady
+samples/s (the second half of the steps), and the peak PSS of the whole process tree
+(trainer, workers, forkserver, zygote, sandboxes; sampled every 0.2 s, as
+``bench/pipeline.py`` does). The same timing hooks run on both sides: the command is
+``python bench/llamafactory.py --run CONFIG``, which times ``Trainer.get_train_dataloader``
+and ``Trainer.training_step`` and then runs LLaMA-Factory's own CLI.
+
+    python bench/llamafactory.py [--rounds 3] [--rows 32]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv-llamafactory"
+BATCH, WORKERS = 2, 2
+TIMINGS = "BENCH_LLAMAFACTORY_TIMINGS"
+
+
+def run_cli(config: str) -> None:
+    """In LLaMA-Factory's interpreter: time the DataLoader and every step, then run the CLI."""
+    from transformers import Trainer
+
+    marks = {"loader": None, "steps": []}
+    stock_loader, stock_step = Trainer.get_train_dataloader, Trainer.training_step
+
+    def get_train_dataloader(self, *args, **kwargs):
+        loader = stock_loader(self, *args, **kwargs)
+        marks["loader"] = time.perf_counter()
+        return loader
+
+    def training_step(self, *args, **kwargs):
+        marks["steps"].append(time.perf_counter())
+        return stock_step(self, *args, **kwargs)
+
+    Trainer.get_train_dataloader, Trainer.training_step = get_train_dataloader, training_step
+    sys.argv = ["llamafactory-cli", "train", config]
+    from llamafactory.cli import main
+
+    try:
+        main()
+    finally:
+        with open(os.environ[TIMINGS], "w") as out:
+            json.dump(marks, out)
+
+
+def _bench_pipeline():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(folder: Path, rows: int) -> dict:
+    done = subprocess.run([str(VENV / "bin" / "python"), "-m", "tests.llamafactory_scenario", str(folder)], cwd=REPO,
+                          env={**os.environ, "SWIFT_SAFE_MEDIA": "0"}, capture_output=True, text=True, check=True)
+    built = json.loads(done.stdout.strip().splitlines()[-1])
+    sys.path.insert(0, str(REPO))
+    from tests import llamafactory_scenario as scenario
+
+    good = [path for name, path in sorted(built.items()) if name.startswith(("media:good_", "media:tone_"))]
+    scenario.build_dataset(folder, [good[index % len(good)] for index in range(rows)], "bench")
+    return built
+
+
+def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float, float, float, float, str]:
+    """(wall seconds, first batch's wait in seconds, steady samples/s, peak PSS in MB, where it was)."""
+    from tests import llamafactory_scenario as scenario
+
+    config = folder / f"{name}.yaml"
+    extra = {"safe_media": True} if protected else {}
+    config.write_text(scenario.yaml_text(built["model"], built["dataset_dir"], str(folder / f"out-{name}"),
+                                         dataset="bench", workers=WORKERS, batch=BATCH, extra=extra))
+    timings = folder / f"{name}.json"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    env.update(scenario.OFFLINE, OMP_NUM_THREADS="1", **{TIMINGS: str(timings)})
+    if not protected:
+        env["SWIFT_SAFE_MEDIA"] = "0"
+    pipeline = _bench_pipeline()
+    command = [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "--run", str(config)]
+    returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
+    if returncode != 0 or "Training completed" not in output:
+        sys.exit(f"llamafactory-cli train failed ({name}):\n{output[-3000:]}")
+    marks = json.loads(timings.read_text())
+    steps = marks["steps"]
+    half = len(steps) // 2
+    steady = BATCH * (len(steps) - 1 - half) / (steps[-1] - steps[half])
+    return wall, steps[0] - marks["loader"], steady, memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
+
+
+def spread(values) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def load() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=32, help="rows of the dataset (one epoch, batch size 2)")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # one side, inside LLaMA-Factory's interpreter
+    args = parser.parse_args()
+    if args.run:
+        return run_cli(args.run)
+    if not (VENV / "bin" / "llamafactory-cli").exists():
+        sys.exit(f"{VENV} is missing: `make test` builds it")
+    names = ["stock", "ours"]
+    print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-llamafactory-") as folder:
+        folder = Path(folder)
+        built = build(folder, args.rows)
+        results = {name: [] for name in names}
+        for number in range(args.rounds):
+            for name in names[number % 2:] + names[:number % 2]:  # alternating which goes first
+                results[name].append(train(built, folder, f"{number}-{name}", name == "ours"))
+                wall, first, steady, peak, where = results[name][-1]
+                print(f"round {number + 1} {name}: wall {wall:.1f} s, first batch {first:.2f} s, "
+                      f"steady {steady:.2f} samples/s, peak PSS {peak:.0f} MB, load {load()}\n"
+                      f"    PSS at the peak, MB: {where}", flush=True)
+    print(f"llamafactory-cli train 0.9.5, tiny Qwen2.5-Omni LoRA, {args.rows} rows, batch {BATCH}, {WORKERS} workers, "
+          f"{args.rounds} alternating rounds (medians [spread]); load average after: {load()}")
+    median = {name: [statistics.median(run[index] for run in results[name]) for index in range(4)] for name in names}
+    for name in names:
+        wall, first, steady, peak = median[name]
+        runs = results[name]
+        print(f"  {name:6s} wall {wall:6.1f} s [{spread([r[0] for r in runs])}]  first batch {first:5.2f} s "
+              f"[{spread([r[1] for r in runs])}]  steady {steady:5.2f} samples/s [{spread([r[2] for r in runs])}]  "
+              f"peak PSS {peak:5.0f} MB [{spread([r[3] for r in runs])}]")
+    ours, stock = median["ours"], median["stock"]
+    print(f"  ours/stock: wall {ours[0] / stock[0]:.2f}x, first batch {ours[1] / stock[1]:.2f}x, "
+          f"steady {ours[2] / stock[2]:.2f}x, peak PSS {ours[3] / stock[3]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
