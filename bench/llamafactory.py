@@ -51,6 +51,8 @@ def run_cli(config: str) -> None:
 
     Trainer.get_train_dataloader, Trainer.training_step = get_train_dataloader, training_step
     sys.argv = ["llamafactory-cli", "train", config]
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != here]  # not this file: the package
     from llamafactory.cli import main
 
     try:
