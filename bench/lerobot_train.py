@@ -99,10 +99,6 @@ def train(root: Path, output_dir: Path, steps: int, side: tuple, policy: str = "
     return wall, float(first.group(1)), steady, memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
 
 
-def spread(values) -> str:
-    return f"{min(values):.1f}-{max(values):.1f}"
-
-
 def load() -> str:
     return " ".join(open("/proc/loadavg").read().split()[:3])
 
@@ -132,19 +128,31 @@ def main():
                 output_dir = Path(folder) / f"out-{number}-{name}"
                 results[name].append(train(root, output_dir, args.steps, sides[name], args.policy, args.workers,
                                            args.lerobot))
-                wall, first, steady, peak, where = results[name][-1]
-                print(f"round {number + 1} {name}: wall {wall:.1f} s, first batch {first:.1f} s, "
-                      f"steady {steady:.1f} samples/s, peak PSS {peak:.0f} MB, load {load()}\n"
-                      f"    PSS at the peak, MB: {where}", flush=True)
+                print_round(number, name, results[name][-1])
     print(f"lerobot-train {args.lerobot}, {args.policy} ACT, {args.steps} steps, {args.workers} workers, "
           f"{args.rounds} rotating rounds (medians [spread]); load average after: {load()}")
+    print_medians(results, names)
+
+
+def print_round(number: int, name: str, result: tuple, digits: int = 1) -> None:
+    wall, first, steady, peak, where = result
+    print(f"round {number + 1} {name}: wall {wall:.1f} s, first batch {first:.{digits}f} s, "
+          f"steady {steady:.{digits}f} samples/s, peak PSS {peak:.0f} MB, load {load()}\n"
+          f"    PSS at the peak, MB: {where}", flush=True)
+
+
+def print_medians(results: dict, names: list, digits: int = 1) -> None:
+    """Per side, the medians of (wall, first batch, steady, peak PSS) [their spread]; then ours/each other side."""
+    def spread(values) -> str:
+        return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
     median = {name: [statistics.median(run[index] for run in results[name]) for index in range(4)] for name in names}
     for name in names:
         wall, first, steady, peak = median[name]
         runs = results[name]
-        print(f"  {name:12s} wall {wall:6.1f} s [{spread([r[0] for r in runs])}]  first batch {first:5.1f} s "
-              f"[{spread([r[1] for r in runs])}]  steady {steady:5.1f} samples/s [{spread([r[2] for r in runs])}]  "
-              f"peak PSS {peak:5.0f} MB [{spread([r[3] for r in runs])}]")
+        print(f"  {name:12s} wall {wall:6.1f} s [{spread([r[0] for r in runs])}]  first batch {first:5.{digits}f} s "
+              f"[{spread([r[1] for r in runs])}]  steady {steady:5.{digits}f} samples/s "
+              f"[{spread([r[2] for r in runs])}]  peak PSS {peak:5.0f} MB [{spread([r[3] for r in runs])}]")
     for name in names:
         if name == "ours":
             continue

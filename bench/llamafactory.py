@@ -20,7 +20,6 @@ and ``Trainer.training_step`` and then runs LLaMA-Factory's own CLI.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,10 +61,12 @@ def run_cli(config: str) -> None:
             json.dump(marks, out)
 
 
-def _bench_pipeline():
+def _bench(name: str):
+    """Another bench script as a module (``pipeline``: running a command and measuring its
+    process tree's memory; ``lerobot_train``: printing rounds and medians)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_pipeline", Path(__file__).with_name("pipeline.py"))
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -96,7 +97,7 @@ def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float,
     env.update(scenario.OFFLINE, OMP_NUM_THREADS="1", **{TIMINGS: str(timings)})
     if not protected:
         env["SWIFT_SAFE_MEDIA"] = "0"
-    pipeline = _bench_pipeline()
+    pipeline = _bench("pipeline")
     command = [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "--run", str(config)]
     returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
     if returncode != 0 or "Training completed" not in output:
@@ -106,14 +107,6 @@ def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float,
     half = len(steps) // 2
     steady = BATCH * (len(steps) - 1 - half) / (steps[-1] - steps[half])
     return wall, steps[0] - marks["loader"], steady, memory.peak_kb / 1024, pipeline.describe_memory(memory.at_peak)
-
-
-def spread(values) -> str:
-    return f"{min(values):.2f}-{max(values):.2f}"
-
-
-def load() -> str:
-    return " ".join(open("/proc/loadavg").read().split()[:3])
 
 
 def main():
@@ -127,6 +120,8 @@ def main():
     if not (VENV / "bin" / "llamafactory-cli").exists():
         sys.exit(f"{VENV} is missing: `make test` builds it")
     names = ["stock", "ours"]
+    report = _bench("lerobot_train")
+    load = report.load
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-llamafactory-") as folder:
         folder = Path(folder)
@@ -135,22 +130,10 @@ def main():
         for number in range(args.rounds):
             for name in names[number % 2:] + names[:number % 2]:  # alternating which goes first
                 results[name].append(train(built, folder, f"{number}-{name}", name == "ours"))
-                wall, first, steady, peak, where = results[name][-1]
-                print(f"round {number + 1} {name}: wall {wall:.1f} s, first batch {first:.2f} s, "
-                      f"steady {steady:.2f} samples/s, peak PSS {peak:.0f} MB, load {load()}\n"
-                      f"    PSS at the peak, MB: {where}", flush=True)
+                report.print_round(number, name, results[name][-1], digits=2)
     print(f"llamafactory-cli train 0.9.5, tiny Qwen2.5-Omni LoRA, {args.rows} rows, batch {BATCH}, {WORKERS} workers, "
           f"{args.rounds} alternating rounds (medians [spread]); load average after: {load()}")
-    median = {name: [statistics.median(run[index] for run in results[name]) for index in range(4)] for name in names}
-    for name in names:
-        wall, first, steady, peak = median[name]
-        runs = results[name]
-        print(f"  {name:6s} wall {wall:6.1f} s [{spread([r[0] for r in runs])}]  first batch {first:5.2f} s "
-              f"[{spread([r[1] for r in runs])}]  steady {steady:5.2f} samples/s [{spread([r[2] for r in runs])}]  "
-              f"peak PSS {peak:5.0f} MB [{spread([r[3] for r in runs])}]")
-    ours, stock = median["ours"], median["stock"]
-    print(f"  ours/stock: wall {ours[0] / stock[0]:.2f}x, first batch {ours[1] / stock[1]:.2f}x, "
-          f"steady {ours[2] / stock[2]:.2f}x, peak PSS {ours[3] / stock[3]:.2f}x")
+    report.print_medians(results, names, digits=2)
 
 
 if __name__ == "__main__":
