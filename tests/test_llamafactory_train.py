@@ -105,7 +105,8 @@ def test_stock_llamafactory_train_hangs_or_crashes_on_the_same_dataset(built, tm
 def test_files_that_fail_at_collation_are_substituted_in_the_workers(built, tmp_path):
     """Preprocessed while good (``tokenized_path``), then one file becomes a FIFO and one is
     cut: the collator's decodes in the DataLoader workers fail, and each sample is
-    replaced, so every step still runs. ``safe_media`` is given on the command line here."""
+    replaced, so every step still runs. ``safe_media`` is given on the command line here, and the
+    training run goes through LLaMA-Factory's torchrun re-launch."""
     media = tmp_path / "media"
     media.mkdir()
     good = [shutil.copy(built[f"media:{name}"], media) for name in ("good_0.mp4", "good_1.mp4", "good_2.mp4",
@@ -120,9 +121,14 @@ def test_files_that_fail_at_collation_are_substituted_in_the_workers(built, tmp_
     fifo.unlink()
     os.mkfifo(fifo)
     cut.write_bytes(Path(built["media:good_0.mp4"]).read_bytes()[:20000])
-    run = train(built, tmp_path / "out", "safe_media=true", f"safe_media_timeout={TIMEOUT_S}", **settings)
+    # Under torchrun, as a multi-GPU run re-launches itself (one rank, gloo, on the CPU): the
+    # settings given after the YAML reach the rank.
+    torchrun = {"FORCE_TORCHRUN": "1", "NPROC_PER_NODE": "1", "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    run = train(built, tmp_path / "out", "safe_media=true", f"safe_media_timeout={TIMEOUT_S}", env=torchrun,
+                dataset="late", extra={"tokenized_path": str(tokenized), "ddp_backend": "gloo"})
     output = run["output"]
     assert run["returncode"] == 0, output[-4000:]
+    assert "distributed training: True" in output, output[-4000:]
     assert steps_done(output) == len(good), output[-4000:]
     for path in (fifo, cut):
         assert re.search(rf"swift_safe_media: .*{re.escape(str(path))}: .*substituted by", output), (path, output[-4000:])
