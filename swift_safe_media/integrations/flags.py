@@ -118,6 +118,16 @@ def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return values, remaining
 
 
+def value_of(argv: list[str], option: str) -> str | None:
+    """The value of a host's ``option`` on a command line (``--name=value`` or ``--name value``)."""
+    for position, arg in enumerate(argv):
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1] or None
+        if arg == option and position + 1 < len(argv):
+            return argv[position + 1]
+    return None
+
+
 def apply(values: dict, host: str) -> None:
     """Write the settings given, then turn protection on (``enabled`` true) or off (false)
     for ``host``; with ``enabled`` None the environment decides elsewhere."""

@@ -107,7 +107,7 @@ def register_flags() -> None:
     sys.argv[1:] = remaining
     enabled = values.get(flags.ENABLED)
     protected = enabled is True or (enabled is None and env_state())
-    output_dir, log_freq = _argument(remaining, "--output_dir"), _argument(remaining, "--log_freq")
+    output_dir, log_freq = flags.value_of(remaining, "--output_dir"), flags.value_of(remaining, "--log_freq")
     if protected and output_dir and "quarantine" not in values and not config.is_set(config.QUARANTINE):
         # Only named now: lerobot-train refuses an output_dir that already exists.
         values["quarantine"] = os.path.join(output_dir, *QUARANTINE_UNDER_OUTPUT_DIR)
@@ -117,12 +117,3 @@ def register_flags() -> None:
         values[flags.ENABLED] = True  # again if on already: the stats folder follows the registry
     flags.apply(values, HOST)
 
-
-def _argument(argv: list[str], name: str) -> str | None:
-    """The value of ``name`` on a LeRobot command line (``--name=value`` or ``--name value``)."""
-    for position, arg in enumerate(argv):
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1] or None
-        if arg == name and position + 1 < len(argv):
-            return argv[position + 1]
-    return None

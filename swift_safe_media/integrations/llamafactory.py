@@ -23,7 +23,6 @@ rank reads them too. The quarantine registry defaults to
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -32,8 +31,6 @@ from . import env_state, flags, installed_version
 from ._patching import Patcher, Patches, Target, original_of
 from .llamafactory_decode import MM_PLUGIN, import_llamafactory_in_sandbox
 from .llamafactory_workers import worker_start_method  # noqa: F401 (protocol)
-
-log = logging.getLogger("swift_safe_media")
 
 HOST = "llamafactory"
 DISTRIBUTION = "llamafactory"
@@ -134,14 +131,14 @@ def read_args_taking_flags(stock, args=None):
         output_dir, workers = read.get("output_dir"), read.get("dataloader_num_workers")
     elif isinstance(read, list):
         values, read = flags.take_flags(read)
-        output_dir, workers = _argument(read, "--output_dir"), _argument(read, "--dataloader_num_workers")
+        output_dir, workers = flags.value_of(read, "--output_dir"), flags.value_of(read, "--dataloader_num_workers")
     else:
         return read
     enabled = values.get(flags.ENABLED)
     if enabled is True or (enabled is None and env_state()):
         if output_dir and "quarantine" not in values and not config.is_set(config.QUARANTINE):
             values["quarantine"] = os.path.join(str(output_dir), RUN_FOLDER, "quarantine.jsonl")
-        process.current().dataloader_workers_expected = bool(int(workers or 0))
+        process.current().dataloader_workers_expected = str(workers or 0).strip() not in ("", "0")
         values[flags.ENABLED] = True  # again if on already: the stats folder follows the registry
     flags.apply(values, HOST)
     return read
@@ -150,11 +147,3 @@ def read_args_taking_flags(stock, args=None):
 def _option(key) -> str:
     return "--" + str(key).lstrip("-")
 
-
-def _argument(argv: list[str], name: str) -> str | None:
-    for position, arg in enumerate(argv):
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-        if arg == name and position + 1 < len(argv):
-            return argv[position + 1]
-    return None
