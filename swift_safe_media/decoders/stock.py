@@ -51,6 +51,33 @@ def run_stock(module: str, name: str, args, kwargs, path=None):
         raise decode_failure(path, exc, f"{module}.{name}", f"stock {module}.{name}") from exc
 
 
+# --- the stock module, imported before a sandbox's first call ---------------------------
+# A fresh sandbox (the first, or the successor of one killed at its timeout) would import
+# the stock module inside the call, and librosa or transformers take seconds to import:
+# out of the call's timeout. Once a process has used an entry point, every sandbox of
+# its kind imports the module as it starts (``set_up_sandboxes``: under the start-up
+# timeout, not counted as a decode).
+
+_prepared: set[tuple[str, bool]] = set()
+
+
+def import_in_sandbox(module: str, confined: bool) -> None:
+    """In a sandbox, as it starts: import ``module`` where this sandbox serves its calls."""
+    from .. import confine
+
+    if confine.status_here()["no_new_privs"] == confined:
+        try:
+            importlib.import_module(module)
+        except Exception:  # the call itself reports it
+            pass
+
+
+def _prepare_sandboxes(module: str, confined: bool) -> None:
+    if (module, confined) not in _prepared:
+        _prepared.add((module, confined))
+        engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
+
+
 def _label(media) -> str | None:
     """The name of the media in a call's errors, or None for media already decoded."""
     if isinstance(media, (str, os.PathLike)):
@@ -92,9 +119,11 @@ def in_sandbox(module: str, name: str, media=(0, "video"), confine: bool = True,
         args = tuple(_sendable(arg) for arg in args)
         kwargs = {key: _sendable(arg) for key, arg in kwargs.items()}
 
+        confined = confine and not _is_url(label)
+        _prepare_sandboxes(module, confined)
+
         def run(args, kwargs):
-            return engine.call(run_stock, module, name, args, kwargs, path=label,
-                               confine=confine and not _is_url(label))
+            return engine.call(run_stock, module, name, args, kwargs, path=label, confine=confined)
 
         return prepare(run, args, kwargs) if prepare is not None else run(args, kwargs)
 
