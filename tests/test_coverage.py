@@ -17,6 +17,7 @@ import json
 import logging
 import pathlib
 import re
+import shutil
 
 import pytest
 
@@ -196,3 +197,20 @@ def test_a_plain_pytorch_script_is_protected(tmp_path, spin_library):
     [forked] = result["unpicklable_rows"]
     assert forked["worker_parent"] == result["trainer"] and forked["samples"] == result["stock"]["samples"]
     assert done.stderr.count("cannot be pickled") == 1, done.stderr[-2000:]
+
+
+def test_templates_of_the_new_paths_encode_through_lazy_dataset_workers(corpus, tmp_path):
+    """Llama-3.1-Omni (whisper), Keye-VL (keye_vl_utils) and MiniCPM-o 4.5 (minicpmo's video
+    with audio), protected by ``--safe_media true``: every batch comes, each FIFO is named
+    in the log and skipped, the good rows are stock's."""
+    shutil.copy(corpus["h264_aac_bframes.mp4"], tmp_path / "good.mp4")
+    shutil.copy(corpus["pcm_16k_stereo.wav"], tmp_path / "good.wav")
+    done = run_python(module="tests.programs.coverage_templates", args=[tmp_path, tmp_path], timeout=400,
+                      env=clean_environment(warm_start=True))
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["template"] for row in rows] == ["llama3_1_omni", "keye_vl", "minicpmo4_5"], done.stderr[-3000:]
+    for row in rows:
+        assert row["batches"] == 3 and row["all_equal_stock"], row
+        suffix = ".wav" if row["template"] == "llama3_1_omni" else ".mp4"
+        assert f"skipped {tmp_path}/stuck_{row['template']}{suffix}: decode overran" in done.stderr, row
+    assert "protection does not bound" not in done.stderr

@@ -55,8 +55,9 @@ OPENERS = frozenset({
     ("subprocess", "check_output"), ("os", "system"), ("os", "popen"),
     ("transformers", "load_video"), ("transformers", "load_audio"), ("whisper", "load_audio"),
 })
-# Packages whose functions are read when a template names them; anything else (torch,
-# numpy, PIL, the standard library) is taken to decode nothing.
+# Packages whose functions are read when a template names them (and the template's own
+# package); anything else (torch, numpy, PIL, the standard library) is taken to decode
+# nothing but through the openers below.
 FOLLOWED = ("swift", "transformers", "transformers_modules", "qwen_vl_utils", "qwen_omni_utils", "keye_vl_utils",
             "minicpmo", "whisper", "stepaudio2")
 DEPTH = 5
@@ -110,8 +111,9 @@ def _canonical(value) -> str | None:
 
 
 class _Reader:
-    def __init__(self, may_import: bool):
+    def __init__(self, may_import: bool, own_package: str):
         self.may_import = may_import
+        self.followed = (*FOLLOWED, own_package)  # a user's template: its helpers are read too
         self.names, self.ids, self.public = _bounded_targets()
 
     def is_bounded(self, dotted: str | None, value) -> bool:
@@ -242,7 +244,7 @@ def _read(where: str, tree: ast.AST, owner, reader: _Reader, depth: int, seen: s
             continue
         function = inspect.unwrap(value) if isinstance(value, types.FunctionType) else None
         if (function is None or depth >= DEPTH or id(function) in seen
-                or not (function.__module__ or "").split(".")[0] in FOLLOWED):
+                or (function.__module__ or "").split(".")[0] not in reader.followed):
             continue
         seen.add(id(function))
         subtree = _function_tree(function)
@@ -254,7 +256,7 @@ def _read(where: str, tree: ast.AST, owner, reader: _Reader, depth: int, seen: s
 def media_reach(cls: type, entry_points: tuple[str, ...] = swift_templates.WORKER_ENTRY_POINTS,
                 may_import: bool = False) -> tuple[Reach, ...]:
     """Every media-opening call and bounded loader that ``cls``'s entry points reach."""
-    reader = _Reader(may_import)
+    reader = _Reader(may_import, cls.__module__.split(".")[0])
     mro = tuple(klass for klass in cls.__mro__ if klass is not object)
     by_name = {klass.__name__: klass for klass in mro}
     pending = [(owner, name) for name in entry_points if (owner := swift_templates._resolve(mro, name)) is not None]
