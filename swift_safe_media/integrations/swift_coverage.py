@@ -32,7 +32,6 @@ import importlib
 import inspect
 import logging
 import sys
-import textwrap
 import types
 
 from . import swift_templates
@@ -97,6 +96,18 @@ def _bounded_targets() -> tuple[set[str], set[int], set[tuple[str, str]]]:
     return names, ids, public
 
 
+def _attribute(value, name: str):
+    """``value.name`` without running anything: no lazy import of a module's ``__getattr__``
+    (ms-swift's and transformers' packages import on first access), no property."""
+    if isinstance(value, types.ModuleType):
+        return vars(value).get(name)
+    try:
+        found = inspect.getattr_static(value, name, None)
+    except Exception:
+        return None
+    return found.__func__ if isinstance(found, (staticmethod, classmethod)) else found
+
+
 def _key(dotted: str) -> tuple[str, str]:
     return dotted.split(".")[0], dotted.rsplit(".", 1)[-1]
 
@@ -147,7 +158,7 @@ class _Reader:
                 continue
             value = module
             for attribute in parts[cut:]:
-                value = getattr(value, attribute, None)
+                value = _attribute(value, attribute)
                 if value is None:
                     return None
             return value
@@ -198,7 +209,7 @@ def _resolve_name(root: str, rest: list[str], local: dict[str, str], globals_: d
     value = globals_[root]
     base = _canonical(value) if isinstance(value, types.ModuleType) or callable(value) else None
     for attribute in rest:
-        value = getattr(value, attribute, None)
+        value = _attribute(value, attribute)
         if value is None:
             break
     dotted = ".".join([base, *rest]) if base else None
@@ -208,12 +219,27 @@ def _resolve_name(root: str, rest: list[str], local: dict[str, str], globals_: d
 
 
 @functools.lru_cache(maxsize=None)
+def _definitions(filename: str) -> dict[int, ast.AST]:
+    """Every function of a source file by the line its code object starts at (its first
+    decorator's, or its ``def``)."""
+    tree = swift_templates.parsed_file(filename)
+    found, pending = {}, list(tree.body) if tree is not None else []
+    while pending:  # module level and class bodies (a function's own local functions are read with it)
+        node = pending.pop()
+        if isinstance(node, ast.ClassDef):
+            pending += node.body
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found[node.lineno] = node
+            if node.decorator_list:
+                found[node.decorator_list[0].lineno] = node
+    return found
+
+
 def _function_tree(function) -> ast.AST | None:
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
+    code = getattr(function, "__code__", None)
+    if code is None:
         return None
-    return tree.body[0] if tree.body else None
+    return _definitions(code.co_filename).get(code.co_firstlineno)
 
 
 def _module_of(owner) -> tuple[dict, str | None]:
