@@ -55,8 +55,9 @@ def _class_node(cls: type) -> ast.ClassDef | None:
     for part in cls.__qualname__.split("."):
         body = getattr(node, "body", [])
         node = next((item for item in body if isinstance(item, ast.ClassDef) and item.name == part), None)
-        if node is None:
-            return None
+        if node is None:  # a class defined in a function: the file's only class of that name
+            named = [item for item in ast.walk(tree) if isinstance(item, ast.ClassDef) and item.name == cls.__name__]
+            return named[0] if len(named) == 1 else None
     return node
 
 

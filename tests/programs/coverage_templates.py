@@ -10,7 +10,8 @@ real ``parse_args``. Rows: ``MEDIA/good.mp4`` or ``good.wav`` twice and a FIFO m
 Each case runs the template's own decoding code: its ``encode`` where a tokenizer is all
 it needs, else the ``replace_tag`` that decodes (the rest needs the family's processor).
 One JSON line per case: the batches drawn, and whether every good row's result equals
-stock's (the same code, this process, with nothing patched); the log names the FIFO.
+stock's (the same code, this process, with nothing patched); the log names the FIFO. First,
+a template of the user's own that opens video with OpenCV is built: one warning names it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 
 import torch
 
+from swift.template import Template
 from swift.utils import parse_args
 from tests.programs.model_templates import Family, StandIn, TrainArgs, template_for
 
@@ -115,12 +117,31 @@ def run(case: Case, media: str, start_method: str) -> dict:
             "all_equal_stock": all(same(out, stock) for out in outs)}
 
 
+class UsersOwnVideoTemplate(Template):
+    def replace_tag(self, media_type, index, inputs):
+        import cv2
+        capture = cv2.VideoCapture(inputs.videos[index])
+        return [f"{int(capture.get(cv2.CAP_PROP_FRAME_COUNT))} frames"]
+
+
+def users_own_template():
+    """A template of the user's own, registered with ms-swift and built under protection:
+    its ``replace_tag`` opens the video with OpenCV, which protection does not bound, so
+    building it logs one warning naming the template and the call."""
+    from swift.template import TemplateMeta, register_template
+
+    register_template(TemplateMeta("users_own_video", prefix=[], prompt=["{{QUERY}}"], chat_sep=None,
+                                   template_cls=UsersOwnVideoTemplate))
+    template_for(Family("users_own_video", "llama3_1_omni", StandIn, "video"), "/nonexistent")
+
+
 def main(out: str, media: str) -> None:
     # The registry a training run keeps under its output folder: ms-swift's own retries of a
     # row, and the other worker, are refused at once instead of waiting out the timeout again.
     args, _ = parse_args(TrainArgs, ["--safe_media", "true", "--safe_media_timeout", "10",
                                      "--safe_media_quarantine", os.path.join(out, "quarantine.jsonl")])
     os.environ["USE_AUDIO_IN_VIDEO"] = "true"  # MiniCPM-o: its video-with-audio path
+    users_own_template()
     for case in CASES:
         os.mkfifo(stuck(case, media))
         print(json.dumps(run(case, media, args.dataloader_multiprocessing_context)), flush=True)
