@@ -49,7 +49,7 @@ def parsed_file(filename: str) -> ast.Module | None:
 def _class_node(cls: type) -> ast.ClassDef | None:
     try:
         tree = parsed_file(inspect.getsourcefile(cls) or "")
-    except TypeError:
+    except (TypeError, OSError):  # built in, or defined where there is no source (python -c)
         return None
     node = tree
     for part in cls.__qualname__.split("."):
