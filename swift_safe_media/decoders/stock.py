@@ -159,18 +159,21 @@ def metadata_for_sampler(args, kwargs, path=None):
     raise MediaDecodeError(path, "stock load_video never asked its sampler for frames")
 
 
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
 def _load_video_with_local_sampler(run, args, kwargs):
     """``load_video`` whose ``sample_indices_fn`` (a lambda, a closure) cannot be pickled:
     the sandbox reads the metadata, the sampler runs here, the sandbox decodes the frames
     it chose. The same stock reader and the same indices, so the same frames."""
     sampler = kwargs.get("sample_indices_fn")
-    if sampler is None or len(args) > 4:
+    if sampler is None or len(args) > 4 or _picklable(sampler):
         return run(args, kwargs)
-    try:
-        pickle.dumps(sampler)
-        return run(args, kwargs)
-    except Exception:
-        pass
     label = _label(args[0] if args else kwargs.get("video"))
     rest = {key: value for key, value in kwargs.items() if key != "sample_indices_fn"}
     metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label)
