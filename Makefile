@@ -33,6 +33,8 @@ $(STAMP): requirements-test.txt pyproject.toml $(SOURCES)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 	@# LeRobot 0.4.4 pins torch<2.11: installed without its pins, its dataset deps are in requirements-test.txt.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps lerobot==0.4.4
+	@# MiniCPM-o's utils pin librosa 0.9, moviepy 2.1 and pillow 10.4; what they import is pinned above.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps minicpmo-utils==1.0.7
 	@# tests/test_preflight.py: a torchcodec built for another torch (2.10), kept aside, never imported here.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(VENV)/test-extras/torchcodec-0.10.0 torchcodec==0.10.0
 	@# tests/test_preflight.py: PyPI's torchcodec 0.17 links CUDA 13; beside .venv-lerobot's torch (CUDA 12.8) it cannot load.

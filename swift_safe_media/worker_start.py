@@ -2,14 +2,16 @@
 torch's ``DataLoader._get_iterator`` that applies, in order,
 
 0. the host's start method: an adapter may choose the start method of the DataLoaders
-   its host starts (``worker_start_method``, see :mod:`.integrations`); chosen first, so
-   the checks below judge the method the workers will really get;
+   its host starts (``worker_start_method``, see :mod:`.integrations`); else a loader
+   whose start method nobody named gets the warm forkserver (:mod:`.plain_workers`);
+   chosen first, so the checks below judge the method the workers will really get;
 1. the main-script check (:mod:`.spawn_guard`): workers that would re-run an unguarded
    script fork instead of hanging;
 2. the warm forkserver's verdict (:mod:`.warm_start`): workers that would fork from a
    forkserver with threads are spawned instead, with one warning;
 3. the environment: workers forked from the warm forkserver adopt their parent's
-   environment as it is now, not as it was when the forkserver started.
+   environment as it is now, not as it was when the forkserver started; and workers
+   that do not fork bound the media libraries as they start (:mod:`.plain_workers`).
 
 Each check fails open: a check that raises never stops the DataLoader.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from . import config, integrations, spawn_guard, warm_start
+from . import config, integrations, plain_workers, spawn_guard, warm_start
 from .integrations import _imports
 
 log = logging.getLogger("swift_safe_media")
@@ -63,12 +65,14 @@ def _patch_dataloader(module) -> None:
         try:
             if config.enabled_by_environment() and self.num_workers > 0:
                 integrations.choose_worker_start_method(self)
+                plain_workers.choose_start_method(self)
                 spawn_guard.fork_if_main_would_rerun(self)
                 spawn_if_forkserver_unsafe(self)
                 method = spawn_guard.start_method(self)
         except Exception:  # a check must never stop the DataLoader itself
             log.debug("swift_safe_media: worker start checks skipped", exc_info=True)
-        with warm_start.workers_see_current_environment(self, method):
+        with (warm_start.workers_see_current_environment(self, method),
+              plain_workers.workers_bound_libraries(self, method)):
             return stock_get_iterator(self)
 
     DataLoader._get_iterator = _get_iterator

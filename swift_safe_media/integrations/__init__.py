@@ -142,6 +142,9 @@ def _apply(host: str) -> None:
 
 
 def enable_hosts(hosts=None) -> None:
+    from . import media
+
+    media.enable()  # the media libraries' entry points, with any host or none
     for host in hosts or ADAPTERS:
         if host in _enabled_hosts:
             continue
@@ -151,6 +154,9 @@ def enable_hosts(hosts=None) -> None:
 
 
 def disable_hosts() -> None:
+    from . import media
+
+    media.disable()
     for host in list(_enabled_hosts):
         _enabled_hosts.discard(host)
         adapter = adapter_for(host)

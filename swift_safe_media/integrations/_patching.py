@@ -26,6 +26,12 @@ def mark(replacement, original):
     return replacement
 
 
+def _forwarder(safe_function):
+    def replacement(*args, **kwargs):
+        return safe_function(*args, **kwargs)
+    return replacement
+
+
 class Patcher:
     """Records every replacement so that ``restore`` puts the originals back exactly,
     including in modules that copied the replacement after it was made."""
@@ -43,17 +49,22 @@ class Patcher:
         The stand-in is a fresh wrapper carrying the original's name, signature and
         docstring, marked so that patching twice is a no-op; ``safe_function`` itself
         is never modified."""
-        current = getattr(sys.modules[module_name], name)
-        if original_of(current) is not None:
-            return  # patched already
+        self.replace_all([(module_name, name, safe_function)])
 
-        @functools.wraps(current)
-        def replacement(*args, **kwargs):
-            return safe_function(*args, **kwargs)
-
-        mark(replacement, current)
-        self._originals[id(replacement)] = (replacement, current)
-        self._swap({id(current): replacement})
+    def replace_all(self, functions) -> None:
+        """``replace`` for each ``(module_name, name, safe_function)``, in one pass over the
+        loaded modules (a host's scope may hold hundreds)."""
+        by_id = {}
+        for module_name, name, safe_function in functions:
+            current = getattr(sys.modules[module_name], name)
+            if original_of(current) is not None or id(current) in by_id:
+                continue  # patched already
+            replacement = functools.update_wrapper(_forwarder(safe_function), current)
+            mark(replacement, current)
+            self._originals[id(replacement)] = (replacement, current)
+            by_id[id(current)] = replacement
+        if by_id:
+            self._swap(by_id)
 
     def sites(self) -> list[tuple[str, str]]:
         """(module, attribute) pairs that currently hold one of our replacements."""
@@ -162,6 +173,7 @@ class Patches:
         return self._namespace[name]
 
     def patch(self) -> None:
+        functions = []
         for target in self.targets:
             module = sys.modules.get(target.module)
             if target.is_method:
@@ -175,8 +187,8 @@ class Patches:
                     self._methods.replace(cls, method, self.stand_in(target))
             elif hasattr(module, target.name):  # older host versions lack some targets
                 stand_in = self.stand_in(target)
-                self._functions.replace(target.module, target.name,
-                                        self._wrap(stand_in) if self._wrap else stand_in)
+                functions.append((target.module, target.name, self._wrap(stand_in) if self._wrap else stand_in))
+        self._functions.replace_all(functions)
 
     def unpatch(self) -> None:
         self._functions.restore()

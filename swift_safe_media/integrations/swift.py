@@ -68,6 +68,8 @@ TARGETS = (
     # ms-swift 4.6 pickles templates without the model; 4.0-4.5 ship the whole model
     # (template.model is set for Qwen2-VL/Omni, Ovis, LLaVA, ...) to every spawned worker.
     Target("swift.template.base", "Template.__getstate__", "template_state_without_model", only_if_missing=True),
+    # A template whose decode protection cannot bound gets one warning as it is built (issue 32).
+    Target("swift.template.base", "Template.__init__", "swift_safe_media.integrations.swift_coverage:template_built"),
 )
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")

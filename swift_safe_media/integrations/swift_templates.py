@@ -24,7 +24,6 @@ import ast
 import functools
 import inspect
 import sys
-import textwrap
 import types
 
 # What ms-swift runs in a DataLoader worker: the dataset's encode and the collate_fn.
@@ -36,17 +35,38 @@ MODEL_ATTRIBUTE = "model"
 FALLBACK = "_get_model"
 
 
+@functools.lru_cache(maxsize=64)
+def parsed_file(filename: str) -> ast.Module | None:
+    """A source file's syntax tree, parsed once (``inspect.getsource`` parses the whole
+    module again for every class it is asked for)."""
+    try:
+        with open(filename, encoding="utf-8") as source:
+            return ast.parse(source.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _class_node(cls: type) -> ast.ClassDef | None:
+    try:
+        tree = parsed_file(inspect.getsourcefile(cls) or "")
+    except (TypeError, OSError):  # built in, or defined where there is no source (python -c)
+        return None
+    node = tree
+    for part in cls.__qualname__.split("."):
+        body = getattr(node, "body", [])
+        node = next((item for item in body if isinstance(item, ast.ClassDef) and item.name == part), None)
+        if node is None:  # a class defined in a function: the file's only class of that name
+            named = [item for item in ast.walk(tree) if isinstance(item, ast.ClassDef) and item.name == cls.__name__]
+            return named[0] if len(named) == 1 else None
+    return node
+
+
 @functools.lru_cache(maxsize=None)
 def _methods_of(cls: type) -> dict[str, ast.AST]:
     """The functions ``cls`` itself defines (methods, properties, static and class
     methods), as syntax trees; empty where its source cannot be read."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return {}
-    [definition] = tree.body if len(tree.body) == 1 else [None]
-    if not isinstance(definition, ast.ClassDef):
+    definition = _class_node(cls)
+    if definition is None:
         return {}
     return {node.name: node for node in definition.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 

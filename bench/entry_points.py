@@ -1,0 +1,113 @@
+"""The cost of bounding the libraries' entry points (issue 32), measured side by side.
+
+1. Each entry point run whole in the sandbox (what protection does) against stock in this
+   process: median wall time of alternating calls after one warm-up call of each.
+2. What a proxy at the library boundary would pay instead: one round trip to the sandbox
+   per method call of an object-shaped opener (``decord.VideoReader``: ``len``, fps, then
+   ``vr[i]`` per frame), measured as N round trips of a call that returns one frame.
+3. What protection adds at start-up: patching the entry points in a process that has
+   transformers and ms-swift's templates loaded, and reading one template's decode paths
+   (the coverage warning, once per template class).
+
+    python bench/entry_points.py [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.decoders import media_corpus  # noqa: E402
+
+
+def frame(shape=(720, 1280, 3)):
+    import numpy as np
+    return np.zeros(shape, dtype=np.uint8)
+
+
+def cases(corpus):
+    video, wav = corpus["h264_720p.mp4"], corpus["pcm_48k_stereo.wav"]
+    return [
+        ("transformers load_video (pyav, 16 frames, 720p)", video,
+         lambda: __import__("transformers.video_utils").video_utils.load_video(video, num_frames=16)),
+        ("transformers load_video (decord, 16 frames, 720p)", video,
+         lambda: __import__("transformers.video_utils").video_utils.load_video(video, num_frames=16,
+                                                                               backend="decord")),
+        ("keye_vl_utils.fetch_video (720p)", video, lambda: __import__("keye_vl_utils").fetch_video({"video": video})),
+        ("librosa.load (48 kHz stereo -> 16 kHz)", wav, lambda: __import__("librosa").load(wav, sr=16000)),
+        ("soundfile.read (48 kHz stereo)", wav, lambda: __import__("soundfile").read(wav)),
+        ("whisper.load_audio (ffmpeg)", wav, lambda: __import__("whisper").load_audio(wav)),
+    ]
+
+
+def median_pair(stock, ours, repeats):
+    from swift_safe_media.integrations import media
+
+    def timed(fn, patched):
+        (media.PATCHES.patch if patched else media.PATCHES.unpatch)()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    timed(stock, False), timed(ours, True)  # warm-up: imports, the sandbox, numba, file cache
+    pairs = [(timed(stock, False), timed(ours, True)) for _ in range(repeats)]
+    media.PATCHES.patch()
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+def round_trip(repeats):
+    import swift_safe_media as ssm
+    ssm.call(frame)
+    return statistics.median(_timed(lambda: ssm.call(frame)) for _ in range(repeats * 4))
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def start_up():
+    import swift.template.templates  # noqa: F401  every template class
+    import transformers.audio_utils  # noqa: F401
+    import transformers.video_utils  # noqa: F401
+    from swift.template.templates.qwen import Qwen2_5VLTemplate
+
+    from swift_safe_media.integrations import media, swift_coverage
+
+    media.PATCHES.unpatch()
+    patch = _timed(media.PATCHES.patch)
+    reading = _timed(lambda: swift_coverage.unbounded(Qwen2_5VLTemplate))
+    return patch, reading
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    import swift_safe_media as ssm
+
+    with tempfile.TemporaryDirectory() as folder:
+        corpus = media_corpus.build(folder)
+        ssm.enable(timeout=120)
+        print("| entry point | stock, in process | stock, in the sandbox | ratio |\n|---|---|---|---|")
+        for name, _, call in cases(corpus):
+            stock, ours = median_pair(call, call, args.repeats)
+            print(f"| {name} | {stock * 1e3:.1f} ms | {ours * 1e3:.1f} ms | {ours / stock:.2f}x |")
+        one = round_trip(args.repeats)
+        print(f"\nproxy at the library boundary: one round trip returning a 720p frame {one * 1e3:.2f} ms; "
+              f"a 16-frame decord read through a proxy: 18 round trips, about {one * 18 * 1e3:.1f} ms "
+              f"on top of the decode (one round trip in the design chosen)")
+        patch, reading = start_up()
+        print(f"start-up: patching the entry points {patch * 1e3:.1f} ms; reading one template's decode "
+              f"paths (Qwen2.5-VL, once per class) {reading * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

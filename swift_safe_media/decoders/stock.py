@@ -1,0 +1,228 @@
+"""Stock loaders run whole in the sandbox: the twin for entry points that have no twin
+of their own.
+
+A stand-in made by :func:`in_sandbox` sends the arguments of a host's decode call
+(``transformers.video_utils.load_video``, ``librosa.load``, ``whisper.load_audio``, ...)
+to the sandbox, where the stock function itself runs (its original, never a patched
+copy) and its result comes back through shared memory: stock's frames and samples by
+construction, with the sandbox's timeout, isolation and error naming. A failure there
+becomes ``MediaDecodeError`` naming the media and what stock raised (a ``RuntimeError``,
+as most stock decoders raise). Media given already decoded (an array, a list of frames)
+is handed to stock in place: there is nothing to decode. A file object is read here
+and sent as bytes; a URL is fetched by stock in an unconfined sandbox, and so is an
+entry point that runs programs or writes files (``confine=False``: isolated and
+bounded, not confined).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import os
+import pickle
+import sys
+import types
+
+from .. import engine
+from ..errors import MediaDecodeError, decode_failure
+from ..integrations._patching import original_of
+
+
+def stock_function(module: str, name: str):
+    """The host's own ``module.name``, unwrapped where we patched it."""
+    function = getattr(importlib.import_module(module), name)
+    return original_of(function) or function
+
+
+def run_stock(module: str, name: str, args, kwargs, path=None):
+    """In the sandbox: the stock function on the caller's arguments."""
+    if module.startswith("transformers_modules.") and module not in sys.modules:
+        from transformers.utils import HF_MODULES_CACHE  # a model's own code, where transformers put it
+
+        if HF_MODULES_CACHE not in sys.path:
+            sys.path.append(HF_MODULES_CACHE)
+    function = stock_function(module, name)
+    try:
+        return function(*args, **kwargs)
+    except MediaDecodeError:
+        raise
+    except Exception as exc:
+        raise decode_failure(path, exc, f"{module}.{name}", f"stock {module}.{name}") from exc
+
+
+# --- the stock module, imported before a sandbox's first call ---------------------------
+# A fresh sandbox (the first, or the successor of one killed at its timeout) would import
+# the stock module inside the call, and librosa or transformers take seconds to import:
+# out of the call's timeout. Once a process has used an entry point, every sandbox of
+# its kind imports the module as it starts (``set_up_sandboxes``: under the start-up
+# timeout, not counted as a decode).
+
+_prepared: set[tuple[str, bool]] = set()
+
+
+def import_in_sandbox(module: str, confined: bool) -> None:
+    """In a sandbox, as it starts: import ``module`` where this sandbox serves its calls."""
+    from .. import confine
+
+    if confine.status_here()["no_new_privs"] == confined:
+        try:
+            importlib.import_module(module)
+        except Exception:  # the call itself reports it
+            pass
+
+
+def _prepare_sandboxes(module: str, confined: bool) -> None:
+    if (module, confined) not in _prepared:
+        _prepared.add((module, confined))
+        engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
+
+
+def _label(media) -> str | None:
+    """The name of the media in a call's errors, or None for media already decoded."""
+    if isinstance(media, (str, os.PathLike)):
+        return os.fspath(media)
+    if isinstance(media, dict):  # qwen/keye style {"video": path or bytes, ...}
+        return next((_label(media[key]) for key in ("video", "audio") if key in media), None)
+    if isinstance(media, (bytes, bytearray, memoryview)):
+        return f"<{len(media)} bytes>"
+    if hasattr(media, "read"):
+        return str(getattr(media, "name", "") or f"<{type(media).__name__}>")
+    return None
+
+
+def _sendable(value):
+    """A file object as the bytes stock would read from it (an open file, a tar member
+    cannot travel); everything else as it is."""
+    if hasattr(value, "read") and not isinstance(value, io.BytesIO):
+        data = io.BytesIO(value.read())
+        data.name = getattr(value, "name", None)
+        return data
+    return value
+
+
+def _is_url(label: str | None) -> bool:
+    return bool(label) and label.startswith(("http://", "https://", "ftp://"))
+
+
+def in_sandbox(module: str, name: str, media=(0, "video"), confine: bool = True, prepare=None):
+    """A stand-in for ``module.name`` that runs stock in the sandbox. ``media``: the
+    position and keyword of the argument that names the media; ``prepare(stand_in_call,
+    args, kwargs)``: a hook for arguments that cannot travel (it returns the result)."""
+    position, keyword = media
+
+    def stand_in(*args, **kwargs):
+        value = kwargs.get(keyword) if keyword in kwargs else args[position] if len(args) > position else None
+        label = _label(value)
+        if engine.in_sandbox() or label is None:
+            return stock_function(module, name)(*args, **kwargs)
+        args = tuple(_sendable(arg) for arg in args)
+        kwargs = {key: _sendable(arg) for key, arg in kwargs.items()}
+
+        confined = confine and not _is_url(label)
+        _prepare_sandboxes(module, confined)
+
+        def run(args, kwargs):
+            return engine.call(run_stock, module, name, args, kwargs, path=label, confine=confined)
+
+        return prepare(run, args, kwargs) if prepare is not None else run(args, kwargs)
+
+    stand_in.__name__ = stand_in.__qualname__ = name
+    stand_in.__doc__ = f"``{module}.{name}`` run in the sandbox (stock's result; bounded and named on failure)."
+    return stand_in
+
+
+# --- transformers' load_video: a frame sampler that cannot travel ----------------------
+
+class _Sampled(Exception):
+    """Carries what stock's reader hands its frame sampler out of the sandbox."""
+
+
+def _report_metadata(metadata=None, **kwargs):
+    raise _Sampled(metadata, kwargs)
+
+
+def _given_indices(indices, metadata=None, **kwargs):
+    return indices
+
+
+def metadata_for_sampler(args, kwargs, path=None):
+    """In the sandbox: stock's ``load_video`` up to the point where it asks its sampler
+    which frames to decode; returns what the sampler would have been given."""
+    try:
+        run_stock("transformers.video_utils", "load_video", args, {**kwargs, "sample_indices_fn": _report_metadata},
+                  path=path)
+    except MediaDecodeError as exc:
+        if isinstance(exc.__cause__, _Sampled):
+            return exc.__cause__.args
+        raise
+    raise MediaDecodeError(path, "stock load_video never asked its sampler for frames")
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+def _load_video_with_local_sampler(run, args, kwargs):
+    """``load_video`` whose ``sample_indices_fn`` (a lambda, a closure) cannot be pickled:
+    the sandbox reads the metadata, the sampler runs here, the sandbox decodes the frames
+    it chose. The same stock reader and the same indices, so the same frames."""
+    sampler = kwargs.get("sample_indices_fn")
+    if sampler is None or len(args) > 4 or _picklable(sampler):
+        return run(args, kwargs)
+    label = _label(args[0] if args else kwargs.get("video"))
+    rest = {key: value for key, value in kwargs.items() if key != "sample_indices_fn"}
+    metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label)
+    indices = sampler(metadata=metadata, **sampler_kwargs)
+    return run(args, {**rest, "sample_indices_fn": functools.partial(_given_indices, indices)})
+
+
+# --- a model's own media loaders (remote code) -----------------------------------------
+
+# What the last part of a name must say for a function to be taken for a media loader.
+MEDIA_WORDS = ("audio", "video", "wav", "speech")
+
+
+def names_media(dotted: str | None) -> bool:
+    return bool(dotted) and any(word in dotted.rsplit(".", 1)[-1].lower() for word in MEDIA_WORDS)
+
+
+def dynamic_module_function(*args, **kwargs):
+    """transformers' ``get_class_from_dynamic_module``: a media loader of a model's own code
+    (InternLM-XComposer's ``ixc_utils.load_video``, decord inside) comes back run in the
+    sandbox, its first argument naming the media; classes and other functions as stock."""
+    loaded = stock_function("transformers.dynamic_module_utils", "get_class_from_dynamic_module")(*args, **kwargs)
+    reference = args[0] if args else kwargs.get("class_reference")
+    if isinstance(loaded, types.FunctionType) and isinstance(reference, str) and names_media(reference):
+        return in_sandbox(loaded.__module__, loaded.__name__, (0, None))
+    return loaded
+
+
+# --- the entry points ----------------------------------------------------------------
+
+# Hugging Face: ms-swift's GLM-4.1V template, and the processors of MOSS-VL, Molmo2,
+# MiniMax-VL, ERNIE-VL on the raw paths ms-swift hands them (fetch_videos); MiDashengLM.
+load_video = in_sandbox("transformers.video_utils", "load_video", (0, "video"),
+                        prepare=_load_video_with_local_sampler)
+load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"))
+load_audio_as = in_sandbox("transformers.audio_utils", "load_audio_as", (0, "audio"))
+# Model-family utils: Keye-VL (decord, torchvision or torchcodec); MiniCPM-o's video
+# with audio (decord, librosa, and ffmpeg programs and temporary files: unconfined);
+# Llama-Omni's whisper (an ffmpeg program without a timeout: unconfined).
+keye_fetch_video = in_sandbox("keye_vl_utils.vision_process", "fetch_video", (0, "ele"))
+minicpmo_video_audio_segments = in_sandbox("minicpmo.utils", "get_video_frame_audio_segments", (0, "video_path"),
+                                           confine=False)
+whisper_load_audio = in_sandbox("whisper.audio", "load_audio", (0, "file"), confine=False)
+# The libraries' own function-shaped loaders, where any code (a remote-code model's
+# utils, a user's dataset) reaches them: Step-Audio's torchaudio.load, Qwen3-TTS's
+# librosa.load, WeNet-style torchaudio.load of shard bytes.
+# librosa imports numba functions cached on disk: numba refuses to load them where it cannot
+# write its cache, so librosa runs in an unconfined sandbox.
+librosa_load = in_sandbox("librosa.core.audio", "load", (0, "path"), confine=False)
+soundfile_read = in_sandbox("soundfile", "read", (0, "file"))
+torchaudio_load = in_sandbox("torchaudio", "load", (0, "uri"))
+torchvision_read_video = in_sandbox("torchvision.io.video", "read_video", (0, "filename"))
