@@ -30,6 +30,7 @@ pytest.importorskip("swift.template", reason="ms-swift is in requirements-test.t
 from . import swift_scenario as scenario  # noqa: E402
 from .fresh import ROOT, clean_environment, run_python  # noqa: E402
 from .test_swift_e2e import free_port  # noqa: E402
+from .test_url_timeout import _trickling_server  # noqa: E402
 
 RUN_TIMEOUT = 420
 BAD = {"playlist.mp4": "HLS playlist refused", "fifo.wav": "not a regular file (FIFO)"}
@@ -54,7 +55,8 @@ def test_swift_infer_answers_every_row_and_gives_a_failed_one_an_error_record(bu
     """Batches of 4: the bad rows share their batch with good ones, which are answered."""
     result = tmp_path / "result.jsonl"
     args = ["--model", built["model"], *MODEL, "--val_dataset", built["dataset"], "--infer_backend", "transformers",
-            "--max_batch_size", "4", "--max_new_tokens", "4", "--result_path", str(result), *PROTECTED]
+            "--max_batch_size", "4", "--max_new_tokens", "4", "--result_path", str(result), "--metric", "acc",
+            *PROTECTED]
     code, elapsed, log = scenario.run_sft(args, command="infer", timeout=RUN_TIMEOUT, log_path=str(tmp_path / "log"))
     print(f"protected swift infer over {scenario.GOOD_CLIPS + 3} rows: {elapsed:.1f} s")
     assert code == 0, log[-4000:]
@@ -74,6 +76,8 @@ def test_swift_infer_answers_every_row_and_gives_a_failed_one_an_error_record(bu
             assert isinstance(record["response"], str) and record["response"] and "media_error" not in record
     assert bad_lines(log) == dict.fromkeys(BAD, "its row is answered with an error record"), log[-4000:]
     assert TRAINING_WORDS not in log
+    assert f"--metric over the {len(given) - len(BAD)} rows answered; {len(BAD)} rows whose media failed" in log
+    assert re.search(r"\{'acc': [\d.]+\}", log), log[-2000:]
     folder = tmp_path / "result_safe_media"  # one per result file, as a training run's is
     written = json.loads((folder / "safe_media_summary.json").read_text())
     assert written["rows_failed"] == len(BAD) and written["error"] == len(BAD), written
@@ -111,6 +115,8 @@ def _serving(port: int, server: subprocess.Popen, timeout: float) -> bool:
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, tmp_path):
+    """Concurrent clients, batches of 4: requests with bad media (a playlist, a URL that
+    trickles) get their 400 within the timeout, the others their answers; then one more."""
     port = free_port()
     args = ["--model", built["model"], *MODEL, "--infer_backend", "transformers", "--max_batch_size", "4",
             "--max_new_tokens", "4", "--host", "127.0.0.1", "--port", str(port), *PROTECTED]
@@ -118,15 +124,22 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
     with open(log_path, "wb") as log:
         server = subprocess.Popen([scenario.SWIFT, "deploy", *args], stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
-                                  env=clean_environment(scenario.RUN_ENV))
+                                  env=clean_environment({**scenario.RUN_ENV, "SWIFT_ALLOW_INTERNAL_URL": "1"}))
     try:
         assert _serving(port, server, RUN_TIMEOUT), log_path.read_text()[-4000:]
+        # A media server that trickles a clip's bytes over two minutes: stock ms-swift's download
+        # (a timeout per network operation) holds the request, and the server's event loop, for all of it.
+        trickle, url = _trickling_server(Path(built["good_0.mp4"]).read_bytes(), 120)
         requests = [("video", built["good_0.mp4"]), ("video", built["playlist.mp4"]), ("video", built["good_1.mp4"]),
-                    ("video", built["good_2.mp4"]), ("video", built["playlist.mp4"])]
+                    ("video", url), ("video", built["good_2.mp4"]), ("video", built["playlist.mp4"])]
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as clients:
             answers = list(clients.map(lambda request: _chat(port, *request), requests))
+        trickle.shutdown()
         for (_, media), (status, body, elapsed) in zip(requests, answers):
-            if os.path.basename(media) == "playlist.mp4":
+            if media == url:
+                assert status == 400 and body["file"] == url and body["type"] == "MediaDecodeTimeout", body
+                assert "overran its 5 s timeout" in body["reason"] and elapsed < 60, (body, elapsed)
+            elif os.path.basename(media) == "playlist.mp4":
                 # ms-swift sends a local file to the model as a data: URI, which is what the decoder sees.
                 assert status == 400, body
                 assert body["reason"] == BAD["playlist.mp4"] and body["file"].startswith("<data: URI"), body

@@ -11,7 +11,11 @@ Each command encodes its rows somewhere else, and each gets the host's own way o
   null``, ``"media_error"``: file, reason, type); any other exception ends the run, as stock.
 - ``swift deploy``: the transformers engine batches concurrent requests and encodes them
   together (``InferEngine._batch_encode``); a request whose media fail fails alone, and its
-  HTTP 400 (``SwiftDeploy.create_error_response``) names the file and the reason.
+  HTTP 400 (``SwiftDeploy.create_error_response``) names the file and the reason. The
+  media URLs of a request, which ms-swift downloads itself (``SafeUrlFetcher.read``, whose
+  timeout is per network operation: a server that trickles its bytes holds the download,
+  and the server's event loop, for ever), are downloaded hop by hop in an unconfined
+  sandbox within the decode timeout, each hop checked by ms-swift's own ``check_url``.
 - ``swift export --to_cached_dataset`` and pre-tokenised training: ms-swift's ``map``
   leaves the row out; nothing to patch but the log's wording.
 - ``swift rlhf --rlhf_type grpo`` (``GRPOTrainer._rollout_samples``): rows are checked
@@ -24,11 +28,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import sys
 
-from .. import summary
+from .. import config, summary
 from ..errors import MediaDecodeError, MediaQuarantined
 from ._patching import Target
 
@@ -38,7 +43,9 @@ _HERE = "swift_safe_media.integrations.swift_inference"
 TARGETS = (
     Target("swift.infer_engine.infer_engine", "InferEngine._batch_encode", f"{_HERE}:encode_each_request"),
     Target("swift.pipelines.infer.infer", "SwiftInfer._batch_infer", f"{_HERE}:batch_infer_with_error_records"),
+    Target("swift.pipelines.infer.infer", "SwiftInfer._calc_metric", f"{_HERE}:metric_over_answered_rows"),
     Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_error_response", f"{_HERE}:error_naming_media"),
+    Target("swift.utils.url_utils", "SafeUrlFetcher.read", f"{_HERE}:read_url_within_timeout"),
     Target("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer._rollout_samples",
            "swift_safe_media.integrations.swift_rollouts:rollout_with_media_checked"),
 )
@@ -75,8 +82,8 @@ def choose_mode(args) -> str:
         mode = "infer"
     elif isinstance(args, kind("ExportArguments")):
         mode = "encode_ahead"
-    elif getattr(args, "rlhf_type", None) == "grpo":
-        mode = "rollout"
+    elif getattr(args, "rlhf_type", None) == "grpo" and not type(args).__module__.startswith("swift.megatron"):
+        mode = "rollout"  # GRPOTrainer's rollouts (Megatron-SWIFT's GRPO has rollouts of its own)
     elif getattr(args, "lazy_tokenize", True) is False:
         mode = "encode_ahead"
     else:
@@ -139,10 +146,12 @@ def media_failure(exc: BaseException) -> MediaDecodeError | None:
 # --- every engine: a request's media fail that request alone ------------------------------
 
 def encode_each_request(stock, engine, infer_requests, strict=True):
-    """``InferEngine._batch_encode``: stock raises the first failure of a batch when
-    ``strict`` (deploy's engine), failing every request batched with it. A request whose
-    media fail now gets its own error (ms-swift's non-strict error list); any other
-    failure is raised as before."""
+    """``InferEngine._batch_encode`` while serving: stock raises the first failure of a
+    batch when ``strict`` (deploy's engine), failing every request batched with it. A
+    request whose media fail now gets its own error (ms-swift's non-strict error list);
+    any other failure is raised as before. Elsewhere (a GRPO trainer's engine) as stock."""
+    if MODE.name != "deploy":
+        return stock(engine, infer_requests, strict=strict)
     batched, errors = stock(engine, infer_requests, strict=False)
     if strict:
         for _, error in errors:
@@ -206,6 +215,33 @@ def _as_error_record(record: dict, failure: MediaDecodeError) -> None:
     summary.note_failed_row()
 
 
+def metric_over_answered_rows(stock, pipeline):
+    """``SwiftInfer._calc_metric`` (``--metric``): over the rows that were answered, the
+    rows whose media failed left out (a ``null`` response is no answer to score, and
+    ms-swift's rouge cannot read one); one line says how many."""
+    import tempfile
+
+    path = getattr(pipeline.jsonl_writer, "fpath", None)
+    if not path or not os.path.exists(path):
+        return stock(pipeline)
+    with open(path) as results:
+        lines = [line for line in results if line.strip()]
+    answered = [line for line in lines if "media_error" not in json.loads(line)]
+    if len(answered) == len(lines):
+        return stock(pipeline)
+    log.warning(f"swift_safe_media: --metric over the {len(answered)} rows answered; "
+                f"{len(lines) - len(answered)} rows whose media failed are left out")
+    writer = pipeline.jsonl_writer
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as scored:
+        scored.writelines(answered)
+        scored.flush()
+        pipeline.jsonl_writer = type("AnsweredRows", (), {"fpath": scored.name})()
+        try:
+            return stock(pipeline)
+        finally:
+            pipeline.jsonl_writer = writer
+
+
 # --- swift deploy: the HTTP error names the file -------------------------------------------
 
 def error_naming_media(stock, deploy, status_code, message):
@@ -220,3 +256,57 @@ def error_naming_media(stock, deploy, status_code, message):
 
     summary.note_failed_row()
     return JSONResponse({"message": message, "object": "error", **describe(failure)}, response.status_code)
+
+
+# --- swift deploy: a request's media URL within the timeout ----------------------------------
+
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def read_url_within_timeout(stock, fetcher, url, **kwargs):
+    """``SafeUrlFetcher.read`` while serving: the same checks (``check_url`` on every hop,
+    redirects followed one at a time, the size cap), with the whole download, every hop
+    included, in an unconfined sandbox within one timeout (``SWIFT_SAFE_MEDIA_TIMEOUT``).
+    A download that overruns it raises MediaDecodeTimeout (the request's HTTP 400)."""
+    from ..engine import fetch, in_sandbox
+
+    if MODE.name != "deploy" or in_sandbox():
+        return stock(url, **kwargs)
+    import time
+    from urllib.parse import urljoin
+
+    timeout, max_size, deadline = config.timeout(), fetcher._max_download_size(), None
+    per_operation = kwargs.get("timeout")
+    for _ in range(fetcher.MAX_REDIRECTS + 1):
+        fetcher.check_url(url)
+        left = timeout if deadline is None else deadline - time.monotonic()
+        (kind, value), hop_deadline, _ = fetch(_get_one_hop, url, per_operation, max_size, path=url, timeout=left)
+        deadline = deadline or hop_deadline
+        if kind == "body":
+            return value
+        url = urljoin(url, value)
+    raise ValueError(f"The URL {url!r} exceeded the limit of {fetcher.MAX_REDIRECTS} redirects.")
+
+
+def _get_one_hop(url: str, per_operation, max_size: int):
+    """In the sandbox: GET ``url`` without following a redirect: ("redirect", location), or
+    ("body", bytes) capped at ``max_size`` (0: no cap), as ``SafeUrlFetcher`` caps it."""
+    import urllib.error
+    import urllib.request
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None
+
+    try:
+        response = urllib.request.build_opener(NoRedirect).open(url, timeout=per_operation)
+    except urllib.error.HTTPError as error:
+        if error.code in _REDIRECTS and error.headers.get("location"):
+            return "redirect", error.headers["location"]
+        raise ValueError(f"{error.code} {error.reason} for url: {url}") from None
+    with response:
+        body = response.read(max_size + 1) if max_size > 0 else response.read()
+    if max_size > 0 and len(body) > max_size:
+        raise ValueError(f"Refusing to fetch {url!r}: the response is larger than {max_size / 1024 ** 2:.0f}MB. "
+                         "Raise or disable this cap with the environment variable `SWIFT_MAX_DOWNLOAD_SIZE_MB`.")
+    return "body", body
