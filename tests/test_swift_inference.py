@@ -88,16 +88,19 @@ def test_swift_infer_answers_every_row_and_gives_a_failed_one_an_error_record(bu
 
 # --- swift deploy ---------------------------------------------------------------------------
 
-def _chat(port: int, kind: str, media: str, timeout: float = 120):
+def _chat(port: int, kind: str, media: str, stream: bool = False, timeout: float = 120):
+    """(HTTP status, the JSON body or, for a stream, its `data:` events, seconds)."""
     content = [{"type": kind, kind: media}, {"type": "text", "text": "What is it?"}]
-    body = json.dumps({"model": "tiny_qwen2_5_omni", "max_tokens": 4,
+    body = json.dumps({"model": "tiny_qwen2_5_omni", "max_tokens": 4, "stream": stream,
                        "messages": [{"role": "user", "content": content}]}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})
     started = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read()), time.monotonic() - started
+            text = response.read().decode()
+            answer = re.findall(r"^data: (.*)$", text, re.M) if stream else json.loads(text)
+            return response.status, answer, time.monotonic() - started
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read()), time.monotonic() - started
 
@@ -150,6 +153,11 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
                 assert body["choices"][0]["message"]["content"]
         status, body, _ = _chat(port, "video", built["good_3.mp4"])  # still serving
         assert status == 200, body
+        # Streamed: the 400 comes before the stream would begin; a good stream is as stock's.
+        status, body, _ = _chat(port, "video", built["playlist.mp4"], stream=True)
+        assert status == 400 and body["reason"] == BAD["playlist.mp4"], body
+        status, events, _ = _chat(port, "video", built["good_3.mp4"], stream=True)
+        assert status == 200 and events[-1] == "[DONE]" and len(events) > 1, events
         assert server.poll() is None
         log = log_path.read_text(errors="replace")
         assert "its request is answered with HTTP 400" in log and TRAINING_WORDS not in log

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -88,7 +89,8 @@ class MethodPatcher:
 
     def replace(self, cls, name: str, stand_in) -> None:
         """Make ``cls.name(self, ...)`` call ``stand_in(original, self, ...)``; a classmethod
-        stays one: ``stand_in(original bound to the class, the class, ...)``."""
+        stays one (``stand_in(original bound to the class, the class, ...)``), and a
+        coroutine function one (its stand-in is a coroutine function too)."""
         current = cls.__dict__[name]
         if original_of(current) is not None:
             return  # patched already
@@ -99,6 +101,10 @@ class MethodPatcher:
                 return stand_in(current.__get__(None, owner), owner, *args, **kwargs)
 
             replacement = classmethod(for_class)
+        elif inspect.iscoroutinefunction(current):  # stays a coroutine function (FastAPI asks)
+            @functools.wraps(current)
+            async def replacement(self, *args, **kwargs):
+                return await stand_in(current, self, *args, **kwargs)
         else:
             @functools.wraps(current)
             def replacement(self, *args, **kwargs):

@@ -45,6 +45,7 @@ TARGETS = (
     Target("swift.pipelines.infer.infer", "SwiftInfer._batch_infer", f"{_HERE}:batch_infer_with_error_records"),
     Target("swift.pipelines.infer.infer", "SwiftInfer._calc_metric", f"{_HERE}:metric_over_answered_rows"),
     Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_error_response", f"{_HERE}:error_naming_media"),
+    Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_chat_completion", f"{_HERE}:stream_after_its_media"),
     Target("swift.utils.url_utils", "SafeUrlFetcher.read", f"{_HERE}:read_url_within_timeout"),
     Target("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer._rollout_samples",
            "swift_safe_media.integrations.swift_rollouts:rollout_with_media_checked"),
@@ -250,12 +251,46 @@ def error_naming_media(stock, deploy, status_code, message):
     the reason and the error's type."""
     response = stock(status_code, message)
     failure = media_failure(sys.exc_info()[1])
-    if failure is None:
-        return response
+    return response if failure is None else _error_naming(failure, message, response.status_code)
+
+
+def _error_naming(failure: MediaDecodeError, message: str, status_code: int):
     from fastapi.responses import JSONResponse
 
     summary.note_failed_row()
-    return JSONResponse({"message": message, "object": "error", **describe(failure)}, response.status_code)
+    return JSONResponse({"message": message, "object": "error", **describe(failure)}, status_code)
+
+
+async def stream_after_its_media(stock, deploy, request, raw_request, **kwargs):
+    """``SwiftDeploy.create_chat_completion`` for a streamed request: ms-swift answers it
+    with a stream that encodes as it starts, so a failed decode would cut a stream already
+    begun (HTTP 200). The stream's first chunk is taken before the response goes out: a
+    request whose media fail gets its 400 like any other."""
+    response = await stock(deploy, request, raw_request, **kwargs)
+    chunks = getattr(response, "body_iterator", None)
+    if MODE.name != "deploy" or chunks is None:
+        return response
+    try:
+        first = await chunks.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except Exception as exc:
+        failure = media_failure(exc)
+        if failure is None:
+            first = exc  # not ours: the stream fails as stock's does
+        else:
+            return _error_naming(failure, str(failure), 400)
+    response.body_iterator = _resumed(first, chunks)
+    return response
+
+
+async def _resumed(first, chunks):
+    if isinstance(first, Exception):
+        raise first
+    if first is not None:
+        yield first
+        async for chunk in chunks:
+            yield chunk
 
 
 # --- swift deploy: a request's media URL within the timeout ----------------------------------
