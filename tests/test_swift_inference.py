@@ -248,3 +248,37 @@ def test_the_other_backends_answer_every_row_too(built):
         assert failed == BAD, (backend, records)
         answered = [record["response"] for record in records if record["response"] is not None]
         assert len(answered) == len(records) - len(BAD) and all(text.endswith(" prompt tokens") for text in answered)
+
+
+def test_a_failed_rollout_row_gets_the_same_replacement_on_every_rank():
+    """What the real GRPO run above cannot show on one rank: two ranks that have seen
+    different rows before choose the same replacement for the same failed row, every copy
+    of it, and keep their batch's size. (A template stand-in that fails rows naming a bad
+    file; the real template is exercised by the real run.)"""
+    import types
+
+    from swift_safe_media.errors import MediaDecodeError
+    from swift_safe_media.integrations import swift_rollouts
+
+    def encode(row, *args, **kwargs):
+        for media in swift_rollouts.media_of(row):
+            if "bad" in media:
+                raise MediaDecodeError(media, "refused")
+        return {"input_ids": [1]}
+
+    dataset = [{"messages": [{"role": "user", "content": "<video>?"}], "videos": [f"/data/{name}.mp4"]}
+               for name in ("a", "bad_b", "c", "d", "bad_e", "f", "g", "h")]
+    trainer = types.SimpleNamespace(template=types.SimpleNamespace(encode=encode), train_dataset=dataset,
+                                    eval_dataset=None, model=types.SimpleNamespace(training=True))
+    chosen = []
+    for history in ([], dataset[5:]):  # rank 1 has already seen f, g, h decode
+        swift_rollouts._Checked.good_media, swift_rollouts._Checked.replacements = set(), {}
+        for row in history:
+            swift_rollouts._row_that_decodes(trainer, row)
+        batch = [dataset[1], dataset[1], dataset[0], dataset[4]]
+        done = swift_rollouts.rollout_with_media_checked(lambda trainer, rows: rows, trainer, batch)
+        assert len(done) == len(batch) and done[0] == done[1] and done[2] == dataset[0]
+        assert not any("bad" in media for row in done for media in swift_rollouts.media_of(row))
+        chosen.append(done)
+    assert chosen[0] == chosen[1]
+    swift_rollouts._Checked.good_media, swift_rollouts._Checked.replacements = set(), {}
