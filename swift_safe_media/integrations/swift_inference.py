@@ -9,9 +9,11 @@ Each command encodes its rows somewhere else, and each gets the host's own way o
   own ``_batch_encode`` / ``_batch_infer_stream`` paths, the same for every backend); a
   ``MediaDecodeError`` becomes an error record in the result file (the row, ``"response":
   null``, ``"media_error"``: file, reason, type); any other exception ends the run, as stock.
+  ``--metric`` scores the rows answered (``SwiftInfer._calc_metric``).
 - ``swift deploy``: the transformers engine batches concurrent requests and encodes them
   together (``InferEngine._batch_encode``); a request whose media fail fails alone, and its
-  HTTP 400 (``SwiftDeploy.create_error_response``) names the file and the reason. The
+  HTTP 400 (``SwiftDeploy.create_error_response``) names the file and the reason; a
+  streamed one gets it before its stream begins (``SwiftDeploy.create_chat_completion``). The
   media URLs of a request, which ms-swift downloads itself (``SafeUrlFetcher.read``, whose
   timeout is per network operation: a server that trickles its bytes holds the download,
   and the server's event loop, for ever), are downloaded hop by hop in an unconfined
