@@ -30,12 +30,13 @@ pytest.importorskip("swift.template", reason="ms-swift is in requirements-test.t
 from . import swift_scenario as scenario  # noqa: E402
 from .fresh import ROOT, clean_environment, run_python  # noqa: E402
 from .test_swift_e2e import free_port  # noqa: E402
-from .test_url_timeout import _trickling_server  # noqa: E402
+from .test_url_timeout import SLACK_S, _trickling_server, clip, warm  # noqa: E402,F401
 
 RUN_TIMEOUT = 420
 BAD = {"playlist.mp4": "HLS playlist refused", "fifo.wav": "not a regular file (FIFO)"}
 MODEL = ["--model_type", "qwen2_5_omni", "--torch_dtype", "float32"]
-PROTECTED = ["--safe_media", "true", "--safe_media_timeout", "5"]
+TIMEOUT_S = 5
+PROTECTED = ["--safe_media", "true", "--safe_media_timeout", str(TIMEOUT_S)]
 TRAINING_WORDS = "takes another sample"
 
 
@@ -84,6 +85,24 @@ def test_swift_infer_answers_every_row_and_gives_a_failed_one_an_error_record(bu
     assert re.search(rf"swift_safe_media summary: .*; {len(BAD)} rows failed", log)
     assert sorted(os.path.basename(entry["path"]) for entry in
                   scenario.registry_entries(folder / "quarantine.jsonl")) == sorted(BAD)
+
+    # --stream true: ms-swift asks row by row; a bad row gets its error record there too.
+    rows = [row for row in given if os.path.basename((row.get("videos") or row.get("audios"))[0]) in BAD]
+    rows.insert(1, given[0])
+    streamed_rows = tmp_path / "streamed_rows.jsonl"
+    streamed_rows.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    streamed = tmp_path / "streamed.jsonl"
+    args = ["--model", built["model"], *MODEL, "--val_dataset", str(streamed_rows), "--infer_backend", "transformers",
+            "--stream", "true", "--max_new_tokens", "4", "--result_path", str(streamed), *PROTECTED]
+    code, elapsed, log = scenario.run_sft(args, command="infer", timeout=RUN_TIMEOUT, log_path=str(tmp_path / "log2"))
+    print(f"protected swift infer --stream true over {len(rows)} rows: {elapsed:.1f} s")
+    assert code == 0, log[-4000:]
+    records = [json.loads(line) for line in streamed.read_text().splitlines()]
+    assert [(record["response"] is None, record.get("media_error", {}).get("reason")) for record in records] == \
+        [(name in BAD, BAD.get(name)) for name in
+         (os.path.basename((row.get("videos") or row.get("audios"))[0]) for row in rows)], records
+    assert all(record["messages"] == row["messages"][:1] for record, row in zip(records, rows) if record["response"] is None)
+    assert json.loads((tmp_path / "streamed_safe_media" / "safe_media_summary.json").read_text())["rows_failed"] == len(BAD)
 
 
 # --- swift deploy ---------------------------------------------------------------------------
@@ -141,7 +160,7 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
         for (_, media), (status, body, elapsed) in zip(requests, answers):
             if media == url:
                 assert status == 400 and body["file"] == url and body["type"] == "MediaDecodeTimeout", body
-                assert "overran its 5 s timeout" in body["reason"] and elapsed < 60, (body, elapsed)
+                assert "overran its 5 s timeout" in body["reason"] and elapsed < 60, (body, elapsed)  # batched with 5 others
             elif os.path.basename(media) == "playlist.mp4":
                 # ms-swift sends a local file to the model as a data: URI, which is what the decoder sees.
                 assert status == 400, body
@@ -153,6 +172,7 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
                 assert body["choices"][0]["message"]["content"]
         status, body, _ = _chat(port, "video", built["good_3.mp4"])  # still serving
         assert status == 200, body
+        _a_trickling_url_holds_only_its_own_request(port, built)
         # Streamed: the 400 comes before the stream would begin; a good stream is as stock's.
         status, body, _ = _chat(port, "video", built["playlist.mp4"], stream=True)
         assert status == 400 and body["reason"] == BAD["playlist.mp4"], body
@@ -168,6 +188,73 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def _a_trickling_url_holds_only_its_own_request(port: int, built):
+    """While a URL trickles (ms-swift downloads media URLs in the server's event loop), the
+    server answers the others; the URL's 400 comes at its timeout (download and decode
+    share one), not later."""
+    trickle, url = _trickling_server(Path(built["good_0.mp4"]).read_bytes(), 120)
+    done = {}
+
+    def timed(name, call):
+        result = call()
+        done[name] = time.monotonic()
+        return result
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as clients:
+            slow = clients.submit(timed, "url", lambda: _chat(port, "video", url))
+            time.sleep(1)  # the URL's download is under way
+            listed = clients.submit(timed, "models", lambda: urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/v1/models", timeout=60).status)
+            good = clients.submit(timed, "good", lambda: _chat(port, "video", built["good_1.mp4"]))
+            (status, body, elapsed), answer = slow.result(), good.result()
+    finally:
+        trickle.shutdown()
+    print(f"trickling URL: 400 after {elapsed:.1f} s; /v1/models and a good request answered "
+          f"{done['url'] - done['models']:.1f} s and {done['url'] - done['good']:.1f} s before it")
+    assert status == 400 and body["type"] == "MediaDecodeTimeout" and body["file"] == url, body
+    assert elapsed < TIMEOUT_S + SLACK_S, elapsed  # one timeout, not the download's and then the decode's
+    assert listed.result() == 200 and answer[0] == 200, answer
+    assert done["models"] < done["url"] and done["good"] < done["url"], done  # answered while it trickled
+
+
+def test_a_downloaded_url_and_its_decode_share_one_timeout(clip, warm, monkeypatch, tmp_path):
+    """ms-swift's own `_materialize_media` (which downloads a request's media URL and writes
+    it to a file) through the deploy patches: the decode of that file gets what the download
+    left of the timeout, and names the URL. A URL that takes 60% of the timeout to arrive,
+    then a decode that would take a minute: the whole ends at one timeout."""
+    from swift.pipelines.infer.deploy import SwiftDeploy
+    from swift.utils.url_utils import SafeUrlFetcher
+
+    from swift_safe_media import MediaDecodeTimeout, engine
+    from swift_safe_media.decoders import guards, inputs
+    from swift_safe_media.integrations import swift_inference, swift_serving
+
+    from . import sandboxed
+    from .test_url_timeout import TIMEOUT_S as timeout
+
+    monkeypatch.setattr(swift_inference.MODE, "name", "deploy")
+    monkeypatch.setenv("SWIFT_ALLOW_INTERNAL_URL", "1")
+    stock_read = SafeUrlFetcher.read
+    monkeypatch.setattr(SafeUrlFetcher, "read", classmethod(
+        lambda fetcher, url, **kwargs: swift_serving.read_url_within_timeout(stock_read, fetcher, url, **kwargs)))
+    server, url = _trickling_server(clip, seconds=timeout * 0.6)
+    try:
+        started = time.monotonic()
+        path = swift_serving.file_named_with_its_download(SwiftDeploy._materialize_media, url, "video", str(tmp_path))
+        source = inputs.fetched(inputs.describe(path), guards.Limits.from_env(), None)
+        assert Path(path).read_bytes() == clip and source.label == url and source.timeout == timeout, source
+        assert source.deadline - time.monotonic() < timeout * 0.5  # what the download left, no new timeout
+        with pytest.raises(MediaDecodeTimeout) as caught:
+            engine.call(sandboxed.sleep_then_return, 60, source, path=source.label)
+        elapsed = time.monotonic() - started
+    finally:
+        server.shutdown()
+    assert caught.value.path == url
+    assert f"the download and the decode together overran their {timeout:g} s timeout" in str(caught.value)
+    assert elapsed < timeout + SLACK_S, elapsed
 
 
 # --- swift export --to_cached_dataset --------------------------------------------------------

@@ -89,8 +89,9 @@ class MethodPatcher:
 
     def replace(self, cls, name: str, stand_in) -> None:
         """Make ``cls.name(self, ...)`` call ``stand_in(original, self, ...)``; a classmethod
-        stays one (``stand_in(original bound to the class, the class, ...)``), and a
-        coroutine function one (its stand-in is a coroutine function too)."""
+        stays one (``stand_in(original bound to the class, the class, ...)``), a
+        staticmethod one (``stand_in(original, ...)``), and a coroutine function one (its
+        stand-in is a coroutine function too)."""
         current = cls.__dict__[name]
         if original_of(current) is not None:
             return  # patched already
@@ -101,6 +102,12 @@ class MethodPatcher:
                 return stand_in(current.__get__(None, owner), owner, *args, **kwargs)
 
             replacement = classmethod(for_class)
+        elif isinstance(current, staticmethod):
+            @functools.wraps(current.__func__)
+            def static(*args, **kwargs):
+                return stand_in(current.__func__, *args, **kwargs)
+
+            replacement = staticmethod(static)
         elif inspect.iscoroutinefunction(current):  # stays a coroutine function (FastAPI asks)
             @functools.wraps(current)
             async def replacement(self, *args, **kwargs):

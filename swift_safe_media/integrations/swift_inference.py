@@ -9,15 +9,12 @@ Each command encodes its rows somewhere else, and each gets the host's own way o
   own ``_batch_encode`` / ``_batch_infer_stream`` paths, the same for every backend); a
   ``MediaDecodeError`` becomes an error record in the result file (the row, ``"response":
   null``, ``"media_error"``: file, reason, type); any other exception ends the run, as stock.
-  ``--metric`` scores the rows answered (``SwiftInfer._calc_metric``).
+  ``--metric`` scores the rows answered (``SwiftInfer._calc_metric``). With ``--stream
+  true`` ms-swift asks row by row (``SwiftInfer.infer_dataset``): the same error records.
 - ``swift deploy``: the transformers engine batches concurrent requests and encodes them
-  together (``InferEngine._batch_encode``); a request whose media fail fails alone, and its
-  HTTP 400 (``SwiftDeploy.create_error_response``) names the file and the reason; a
-  streamed one gets it before its stream begins (``SwiftDeploy.create_chat_completion``). The
-  media URLs of a request, which ms-swift downloads itself (``SafeUrlFetcher.read``, whose
-  timeout is per network operation: a server that trickles its bytes holds the download,
-  and the server's event loop, for ever), are downloaded hop by hop in an unconfined
-  sandbox within the decode timeout, each hop checked by ms-swift's own ``check_url``.
+  together (``InferEngine._batch_encode``); a request whose media fail fails alone. Its
+  HTTP 400 naming the file, and a media URL's download and decode within one timeout,
+  without holding the event loop: :mod:`.swift_serving`.
 - ``swift export --to_cached_dataset`` and pre-tokenised training: ms-swift's ``map``
   leaves the row out; nothing to patch but the log's wording.
 - ``swift rlhf --rlhf_type grpo`` (``GRPOTrainer._rollout_samples``): rows are checked
@@ -33,22 +30,24 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 
-from .. import config, summary
+from .. import summary
 from ..errors import MediaDecodeError, MediaQuarantined
 from ._patching import Target
 
 log = logging.getLogger("swift_safe_media")
 
 _HERE = "swift_safe_media.integrations.swift_inference"
+_SERVING = "swift_safe_media.integrations.swift_serving"
 TARGETS = (
     Target("swift.infer_engine.infer_engine", "InferEngine._batch_encode", f"{_HERE}:encode_each_request"),
     Target("swift.pipelines.infer.infer", "SwiftInfer._batch_infer", f"{_HERE}:batch_infer_with_error_records"),
+    Target("swift.pipelines.infer.infer", "SwiftInfer.infer_dataset", f"{_HERE}:stream_rows_with_error_records"),
     Target("swift.pipelines.infer.infer", "SwiftInfer._calc_metric", f"{_HERE}:metric_over_answered_rows"),
-    Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_error_response", f"{_HERE}:error_naming_media"),
-    Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_chat_completion", f"{_HERE}:stream_after_its_media"),
-    Target("swift.utils.url_utils", "SafeUrlFetcher.read", f"{_HERE}:read_url_within_timeout"),
+    Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_error_response", f"{_SERVING}:error_naming_media"),
+    Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_chat_completion", f"{_SERVING}:serve_chat_completion"),
+    Target("swift.pipelines.infer.deploy", "SwiftDeploy._materialize_media", f"{_SERVING}:file_named_with_its_download"),
+    Target("swift.utils.url_utils", "SafeUrlFetcher.read", f"{_SERVING}:read_url_within_timeout"),
     Target("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer._rollout_samples",
            "swift_safe_media.integrations.swift_rollouts:rollout_with_media_checked"),
 )
@@ -218,6 +217,50 @@ def _as_error_record(record: dict, failure: MediaDecodeError) -> None:
     summary.note_failed_row()
 
 
+def stream_rows_with_error_records(stock, pipeline):
+    """``SwiftInfer.infer_dataset`` with ``--stream true``: ms-swift asks row by row
+    (``infer_single``) and writes each record as it is answered; a row whose media fail
+    gets its error record there too, instead of ending the run. (The interactive
+    ``swift infer``, which also asks through ``infer_single``, is left as stock.)"""
+    request_config = pipeline.args.get_request_config()
+    if MODE.name != "infer" or not getattr(request_config, "stream", False):
+        return stock(pipeline)
+    pending: list[MediaDecodeError] = []  # the failure of the row being written next
+    stock_single, writer = pipeline.infer_single, pipeline.jsonl_writer
+
+    def single_keeping_going(infer_request, request_config):
+        try:
+            return stock_single(infer_request, request_config)
+        except Exception as exc:
+            failure = media_failure(exc)
+            if failure is None:
+                raise  # not ours: the run ends as stock's does
+            print(f"(no response: {failure})\n" + "-" * 50)
+            pending.append(failure)
+            return None
+
+    class ErrorRecordsWriter:
+        def __getattr__(self, name):
+            return getattr(writer, name)
+
+        def append(self, record, *args, **kwargs):
+            if pending:
+                _as_error_record(record, pending.pop(0))
+            return writer.append(record, *args, **kwargs)
+
+    vars(pipeline)["infer_single"] = single_keeping_going
+    pipeline.jsonl_writer = ErrorRecordsWriter() if writer is not None else None
+    try:
+        records = stock(pipeline)
+    finally:
+        del vars(pipeline)["infer_single"]
+        pipeline.jsonl_writer = writer
+    for record in records:  # no result file: the records returned get theirs
+        if pending and record.get("response") is None and "media_error" not in record:
+            _as_error_record(record, pending.pop(0))
+    return records
+
+
 def metric_over_answered_rows(stock, pipeline):
     """``SwiftInfer._calc_metric`` (``--metric``): over the rows that were answered, the
     rows whose media failed left out (a ``null`` response is no answer to score, and
@@ -243,107 +286,3 @@ def metric_over_answered_rows(stock, pipeline):
             return stock(pipeline)
         finally:
             pipeline.jsonl_writer = writer
-
-
-# --- swift deploy: the HTTP error names the file -------------------------------------------
-
-def error_naming_media(stock, deploy, status_code, message):
-    """``SwiftDeploy.create_error_response``: called by ms-swift's handlers as they catch a
-    request's exception. When that is a failed decode, the JSON body also carries the file,
-    the reason and the error's type."""
-    response = stock(status_code, message)
-    failure = media_failure(sys.exc_info()[1])
-    return response if failure is None else _error_naming(failure, message, response.status_code)
-
-
-def _error_naming(failure: MediaDecodeError, message: str, status_code: int):
-    from fastapi.responses import JSONResponse
-
-    summary.note_failed_row()
-    return JSONResponse({"message": message, "object": "error", **describe(failure)}, status_code)
-
-
-async def stream_after_its_media(stock, deploy, request, raw_request, **kwargs):
-    """``SwiftDeploy.create_chat_completion`` for a streamed request: ms-swift answers it
-    with a stream that encodes as it starts, so a failed decode would cut a stream already
-    begun (HTTP 200). The stream's first chunk is taken before the response goes out: a
-    request whose media fail gets its 400 like any other."""
-    response = await stock(deploy, request, raw_request, **kwargs)
-    chunks = getattr(response, "body_iterator", None)
-    if MODE.name != "deploy" or chunks is None:
-        return response
-    try:
-        first = await chunks.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except Exception as exc:
-        failure = media_failure(exc)
-        if failure is None:
-            first = exc  # not ours: the stream fails as stock's does
-        else:
-            return _error_naming(failure, str(failure), 400)
-    response.body_iterator = _resumed(first, chunks)
-    return response
-
-
-async def _resumed(first, chunks):
-    if isinstance(first, Exception):
-        raise first
-    if first is not None:
-        yield first
-        async for chunk in chunks:
-            yield chunk
-
-
-# --- swift deploy: a request's media URL within the timeout ----------------------------------
-
-_REDIRECTS = (301, 302, 303, 307, 308)
-
-
-def read_url_within_timeout(stock, fetcher, url, **kwargs):
-    """``SafeUrlFetcher.read`` while serving: the same checks (``check_url`` on every hop,
-    redirects followed one at a time, the size cap), with the whole download, every hop
-    included, in an unconfined sandbox within one timeout (``SWIFT_SAFE_MEDIA_TIMEOUT``).
-    A download that overruns it raises MediaDecodeTimeout (the request's HTTP 400)."""
-    from ..engine import fetch, in_sandbox
-
-    if MODE.name != "deploy" or in_sandbox():
-        return stock(url, **kwargs)
-    import time
-    from urllib.parse import urljoin
-
-    timeout, max_size, deadline = config.timeout(), fetcher._max_download_size(), None
-    per_operation = kwargs.get("timeout")
-    for _ in range(fetcher.MAX_REDIRECTS + 1):
-        fetcher.check_url(url)
-        left = timeout if deadline is None else deadline - time.monotonic()
-        (kind, value), hop_deadline, _ = fetch(_get_one_hop, url, per_operation, max_size, path=url, timeout=left)
-        deadline = deadline or hop_deadline
-        if kind == "body":
-            return value
-        url = urljoin(url, value)
-    raise ValueError(f"The URL {url!r} exceeded the limit of {fetcher.MAX_REDIRECTS} redirects.")
-
-
-def _get_one_hop(url: str, per_operation, max_size: int):
-    """In the sandbox: GET ``url`` without following a redirect: ("redirect", location), or
-    ("body", bytes) capped at ``max_size`` (0: no cap), as ``SafeUrlFetcher`` caps it."""
-    import urllib.error
-    import urllib.request
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args, **kwargs):
-            return None
-
-    try:
-        response = urllib.request.build_opener(NoRedirect).open(url, timeout=per_operation)
-    except urllib.error.HTTPError as error:
-        if error.code in _REDIRECTS and error.headers.get("location"):
-            return "redirect", error.headers["location"]
-        raise ValueError(f"{error.code} {error.reason} for url: {url}") from None
-    with response:
-        body = response.read(max_size + 1) if max_size > 0 else response.read()
-    if max_size > 0 and len(body) > max_size:
-        raise ValueError(f"Refusing to fetch {url!r}: the response is larger than {max_size / 1024 ** 2:.0f}MB. "
-                         "Raise or disable this cap with the environment variable `SWIFT_MAX_DOWNLOAD_SIZE_MB`.")
-    return "body", body
