@@ -47,6 +47,7 @@ class Recorder:
         self.seen = 0
         self.slow_files: dict[str, list] = {}  # path: [worst elapsed, its outcome, decodes]
         self.step: int | None = None  # in a trainer process: the training step reached
+        self.rows_failed = 0  # rows (requests) a command answered or left out for their media
         self.last_flush = 0.0
         self._pending: threading.Timer | None = None
         self._lock = threading.Lock()
@@ -107,6 +108,11 @@ class Recorder:
             self.step = step
             self._flush()
 
+    def note_failed_row(self) -> None:
+        with self._lock:
+            self.rows_failed += 1
+            self._flush()
+
     def flush(self) -> None:
         with self._lock:
             self._flush()
@@ -114,6 +120,7 @@ class Recorder:
     def _flush(self) -> None:
         self.last_flush = time.monotonic()
         state = {"pid": os.getpid(), "counts": self.counts, "seen": self.seen, "latencies": self.latencies,
+                 "rows_failed": self.rows_failed,
                  "slow_files": {path: list(kept) for path, kept in self.slow_files.items()}}
         if self.step is not None:
             state.update(rank=process.rank(), step=self.step)
@@ -158,6 +165,14 @@ def note_step(step: int) -> None:
         found.note_step(step)
 
 
+def note_failed_row() -> None:
+    """Count a row (a request) whose media failed and that the command answered with an
+    error or left out (inference, serving, export, rollouts)."""
+    found = recorder()
+    if found is not None:
+        found.note_failed_row()
+
+
 def _percentile(values: list[float], fraction: float) -> float | None:
     if not values:
         return None
@@ -169,7 +184,7 @@ def collect(directory: str | None = None) -> dict:
     """Merge every process's stats in the run's folder."""
     flush()
     directory = directory or config.get(STATS_DIR)
-    counts, latencies, processes, steps = dict.fromkeys(OUTCOMES, 0), [], 0, {}
+    counts, latencies, processes, steps, rows_failed = dict.fromkeys(OUTCOMES, 0), [], 0, {}, 0
     slow_files: dict[str, list] = {}  # path: [worst elapsed, its outcome, decodes], over processes
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         if not (name.startswith("stats-") and name.endswith(".json")):
@@ -183,6 +198,7 @@ def collect(directory: str | None = None) -> dict:
         for outcome in OUTCOMES:
             counts[outcome] += state["counts"].get(outcome, 0)
         latencies += state["latencies"]
+        rows_failed += state.get("rows_failed", 0)
         for path, (elapsed, outcome, decodes) in state.get("slow_files", {}).items():
             merged = slow_files.setdefault(path, [elapsed, outcome, 0])
             merged[2] += decodes
@@ -190,7 +206,7 @@ def collect(directory: str | None = None) -> dict:
                 merged[0], merged[1] = elapsed, outcome
         if "step" in state:
             steps[str(state["rank"])] = max(state["step"], steps.get(str(state["rank"]), 0))
-    return {"decodes": sum(counts.values()), **counts, "processes": processes,
+    return {"decodes": sum(counts.values()), **counts, "rows_failed": rows_failed, "processes": processes,
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99),
             # Each file once: its worst decode (time and outcome) and how many decodes it had.
             "slowest": [{"path": path, "elapsed_s": round(elapsed, 3), "outcome": outcome, "count": decodes}
@@ -206,7 +222,8 @@ def format_summary(summary: dict, step=None) -> str:
     head = "swift_safe_media summary" + (f" at step {step}" if step is not None else "")
     lines = [f"{head}: {summary['decodes']} decodes, {summary['ok']} ok, {summary['timeout']} timeouts, "
              f"{summary['crash']} crashes, {summary['quarantined']} quarantined, {summary['error']} errors; "
-             f"latency p50 {seconds(summary['latency_p50_s'])}, p99 {seconds(summary['latency_p99_s'])}"]
+             f"latency p50 {seconds(summary['latency_p50_s'])}, p99 {seconds(summary['latency_p99_s'])}"
+             + (f"; {summary['rows_failed']} rows failed" if summary.get("rows_failed") else "")]
     for entry in summary["slowest"][:5]:
         times = "1 decode" if entry["count"] == 1 else f"{entry['count']} decodes"
         lines.append(f"  slow: {entry['path']} worst {entry['elapsed_s']:.2f} s ({entry['outcome']}), {times}")

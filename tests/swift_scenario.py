@@ -149,15 +149,15 @@ TRAIN_STARTED = "Train:"
 
 
 def run_sft(argv: list[str], *, env: dict[str, str] | None = None, timeout: float, log_path: str,
-            stall_timeout: float | None = None) -> tuple[int | None, float, str]:
-    """Run `swift sft ARGV` in its own session; kill its whole process group after
+            stall_timeout: float | None = None, command: str = "sft") -> tuple[int | None, float, str]:
+    """Run `swift sft ARGV` (or `swift COMMAND ARGV`) in its own session; kill its whole process group after
     ``timeout`` s, or once the training loop has gone ``stall_timeout`` s without a step.
     Returns (exit code, or None when killed; wall seconds; the log)."""
     full_env = clean_environment({**RUN_ENV, **(env or {})}, warm_start=True)
     start = time.monotonic()
     progress, last_progress = None, start
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([SWIFT, "sft", *argv], env=full_env, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen([SWIFT, command, *argv], env=full_env, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
         while process.poll() is None and time.monotonic() - start < timeout:
             time.sleep(0.5)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import os
 import re
+import time
 from dataclasses import dataclass
 
 from .. import config
@@ -148,9 +150,43 @@ def download(url: str, limits: guards.Limits, timeout: float | None) -> bytes:
     return b"".join(chunks)
 
 
+# Files a host downloaded from a URL before asking for their decode (`swift deploy` writes
+# a request's media URL to a file first): path -> (the URL, the file's identity, seconds of
+# the timeout the download left, that timeout). Their decode gets what the download left.
+_DOWNLOADED: collections.OrderedDict = collections.OrderedDict()
+_DOWNLOADED_KEPT = 256
+
+
+def note_download(path: str, url: str, left: float, timeout: float) -> None:
+    """``path`` holds what ``url`` served, downloaded within ``timeout`` with ``left``
+    seconds of it to spare: its decode runs for what is left and names the URL. (The time
+    the file waits between the two, in a server's queue, is nobody's download or decode.)"""
+    stat = os.stat(path)
+    _DOWNLOADED[os.path.abspath(path)] = (url, (stat.st_dev, stat.st_ino), left, timeout)
+    _DOWNLOADED.move_to_end(os.path.abspath(path))
+    while len(_DOWNLOADED) > _DOWNLOADED_KEPT:
+        _DOWNLOADED.popitem(last=False)
+
+
+def _downloaded_before(source: Source) -> Source:
+    """A path source as the end of its URL's download, if the host noted one (the same
+    file still: a temporary name may be reused)."""
+    url, identity, left, timeout = _DOWNLOADED.get(source.value, (None, None, 0.0, None))
+    try:
+        stat = os.stat(source.value)
+    except OSError:
+        return source
+    if url is None or (stat.st_dev, stat.st_ino) != identity:
+        return source
+    return Source("path", source.value, url, time.monotonic() + left, timeout)
+
+
 def fetched(source: Source, limits: guards.Limits, timeout: float | None) -> Source:
     """Caller side: a URL source as the bytes it serves, downloaded in an unconfined
-    sandbox (a confined decode cannot reach the network); any other source as is."""
+    sandbox (a confined decode cannot reach the network); a file the host downloaded
+    itself with the rest of its download's timeout; any other source as is."""
+    if source.kind == "path" and _DOWNLOADED:
+        return _downloaded_before(source)
     if source.kind != "url" or not config.confine():
         return source
     from .. import engine

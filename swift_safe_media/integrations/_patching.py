@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -98,14 +99,34 @@ class MethodPatcher:
         return bool(self._originals)
 
     def replace(self, cls, name: str, stand_in) -> None:
-        """Make ``cls.name(self, ...)`` call ``stand_in(original, self, ...)``."""
+        """Make ``cls.name(self, ...)`` call ``stand_in(original, self, ...)``; a classmethod
+        stays one (``stand_in(original bound to the class, the class, ...)``), a
+        staticmethod one (``stand_in(original, ...)``), and a coroutine function one (its
+        stand-in is a coroutine function too)."""
         current = cls.__dict__[name]
         if original_of(current) is not None:
             return  # patched already
 
-        @functools.wraps(current)
-        def replacement(self, *args, **kwargs):
-            return stand_in(current, self, *args, **kwargs)
+        if isinstance(current, classmethod):
+            @functools.wraps(current.__func__)
+            def for_class(owner, *args, **kwargs):
+                return stand_in(current.__get__(None, owner), owner, *args, **kwargs)
+
+            replacement = classmethod(for_class)
+        elif isinstance(current, staticmethod):
+            @functools.wraps(current.__func__)
+            def static(*args, **kwargs):
+                return stand_in(current.__func__, *args, **kwargs)
+
+            replacement = staticmethod(static)
+        elif inspect.iscoroutinefunction(current):  # stays a coroutine function (FastAPI asks)
+            @functools.wraps(current)
+            async def replacement(self, *args, **kwargs):
+                return await stand_in(current, self, *args, **kwargs)
+        else:
+            @functools.wraps(current)
+            def replacement(self, *args, **kwargs):
+                return stand_in(current, self, *args, **kwargs)
 
         mark(replacement, current)
         setattr(cls, name, replacement)
@@ -179,8 +200,8 @@ class Patches:
             if target.is_method:
                 class_name, method = target.name.split(".", 1)
                 cls = getattr(module, class_name, None)
-                if cls is None:
-                    continue
+                if cls is None or not (target.only_if_missing or method in vars(cls)):
+                    continue  # older host versions lack some targets
                 if target.only_if_missing:
                     self._methods.add(cls, method, self.stand_in(target))
                 else:

@@ -35,7 +35,7 @@ import sys
 from .. import config, process, summary
 from ..budget import ErrorBudgetExceeded, process_budget
 from ..errors import MediaDecodeError
-from . import env_state, flags, installed_version
+from . import env_state, flags, installed_version, swift_inference
 from ._patching import Patcher, Patches, Target
 
 log = logging.getLogger("swift_safe_media")
@@ -70,6 +70,8 @@ TARGETS = (
     Target("swift.template.base", "Template.__getstate__", "template_state_without_model", only_if_missing=True),
     # A template whose decode protection cannot bound gets one warning as it is built (issue 32).
     Target("swift.template.base", "Template.__init__", "swift_safe_media.integrations.swift_coverage:template_built"),
+    # swift infer, deploy and GRPO rollouts: a row or a request whose media fail fails alone.
+    *swift_inference.TARGETS,
 )
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
@@ -116,11 +118,11 @@ def _call_logging_failures(twin, *args, **kwargs):
             row.last_failure = f"{exc.path}: {exc.reason} ({type(exc).__name__})"
         # ms-swift's Template.encode retries a failed sample twice at once: one line per sample.
         state = process.current()
-        if state.last_logged_failure != (exc.path, exc.reason):
+        if swift_inference.first_of_its_row(exc) and state.last_logged_failure != (exc.path, exc.reason):
             state.last_logged_failure = (exc.path, exc.reason)
             after = "" if exc.elapsed is None else f", after {exc.elapsed:.2f} s"
             _host_logger().warning(f"swift_safe_media: skipped {exc.path}: {exc.reason} "
-                                   f"({type(exc).__name__}{after}); ms-swift takes another sample")
+                                   f"({type(exc).__name__}{after}); {swift_inference.consequence()}")
         raise
     if row is not None:
         row.decoded += 1
@@ -354,9 +356,11 @@ def protect_run(args) -> None:
     output_dir = getattr(trains, "output_dir", None)
     # Inference and export have no DataLoader workers: no warm forkserver for them.
     process.current().dataloader_workers_expected = bool(getattr(training or args, "dataloader_num_workers", 0))
+    swift_inference.choose_mode(args)
+    folder = os.path.join(output_dir, RUN_FOLDER) if output_dir else swift_inference.run_folder(args)
     registry = None
-    if output_dir and not config.is_set(config.QUARANTINE):
-        registry = os.path.join(output_dir, RUN_FOLDER, "quarantine.jsonl")
+    if folder and not config.is_set(config.QUARANTINE):
+        registry = os.path.join(folder, "quarantine.jsonl")
     swift_safe_media.enable(hosts=[HOST], quarantine=registry)
     if process.rank() == 0:
         summary.report_at_exit(summary.step_noted)  # training that dies gets its summary too
