@@ -220,10 +220,11 @@ def _is_machine_fault(exc: BaseException) -> bool:
 def _retries(exc: BaseException, attempt: int, media) -> bool:
     """Whether a failed attempt is tried again: a machine fault, with retries left."""
     attempts = config.machine_retries() + 1
-    if not _is_machine_fault(exc) or attempt >= attempts:
+    if not _is_machine_fault(exc) or attempt >= attempts or getattr(exc, "exhausted", False):
         return False
-    log.warning("swift_safe_media: %s: %s; a machine fault, not the file's: trying again in a fresh sandbox "
-                "(attempt %d of %d)", media, exc.reason, attempt + 1, attempts)
+    reason = exc.reason if "a machine fault" in exc.reason else f"{exc.reason}; a machine fault, not the file's"
+    log.warning("swift_safe_media: %s: %s; trying again in a fresh sandbox (attempt %d of %d)",
+                media, reason, attempt + 1, attempts)
     return True
 
 

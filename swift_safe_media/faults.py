@@ -26,7 +26,8 @@ import os
 import signal
 import time
 
-from .errors import FILE, MACHINE
+from . import config
+from .errors import FILE, MACHINE, MediaDecodeCrash, MediaDecodeError, MediaMachineFault
 
 # Signals a decode raises itself: a bad memory access, arithmetic, abort(), an illegal
 # instruction, a system call the confinement refuses (seccomp kills with SIGSYS).
@@ -58,6 +59,22 @@ def crash_verdict(status: int, oom_rose: str | None) -> tuple[str, bool, str]:
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) in START_EXIT_CODES:
         return MACHINE, False, "the sandbox could not start"
     return FILE, False, ""  # a decoder that ends the process mid-decode (exit(), _exit()) did so on this file
+
+
+def crash_error(pid: int, status: int, peak_kib: int, oom_rose: str | None, path, elapsed: float) -> MediaDecodeError:
+    """The error for sandbox ``pid`` that died (wait ``status``) during a decode of ``path``:
+    a :class:`MediaDecodeCrash` when it is the file's (a signal the decode raised, memory
+    near the sandbox's cap), else a :class:`MediaMachineFault`."""
+    reason = f"sandbox pid {pid} died during the decode: {describe_status(status)}"
+    cap = config.max_memory_mb()
+    if cap and peak_kib >= 0.9 * cap * 1024:
+        return MediaDecodeCrash(path, reason + f" (peak memory {peak_kib >> 10} MB, near the {cap} MB cap)", elapsed)
+    fault, ambiguous, why = crash_verdict(status, oom_rose)
+    if fault == MACHINE:
+        return MediaMachineFault(path, f"{reason}; a machine fault, not the file's: {why}", elapsed)
+    error = MediaDecodeCrash(path, reason, elapsed)
+    error.ambiguous = ambiguous
+    return error
 
 
 def describe_status(status: int) -> str:

@@ -24,7 +24,7 @@ import threading
 import time
 
 from . import config, confine, faults, process, transport
-from .errors import MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
+from .errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
 from .faults import describe_status
 from .shared_zygote import shared_address
 from .zygote import SandboxHandle, Zygote
@@ -218,21 +218,41 @@ class Engine:
         starts again: the next call of a ``call_each`` batch has begun)."""
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
-            box = self._checkout()
-            self._set_up(box, path)
-        except BaseException as exc:
+            box = self._ready_sandbox(path)
+        except BaseException:
             if owned:
                 os.close(fd)
-            # Neither is the file's: it has not been opened yet.
-            if isinstance(exc, (OSError, EOFError)):
-                raise MediaMachineFault(path, f"could not start a sandbox: {exc!r}") from exc
-            if isinstance(exc, MediaDecodeError) and exc.fault != MACHINE:
-                raise MediaMachineFault(path, f"could not set up a sandbox: {exc.reason}") from exc
             raise
         self.stats["calls"] += 1
         if on_start is not None:
             on_start()
         return self._exchange(box, message, fd, owned, timeout, path, on_progress, restart=restart_on_progress)
+
+    def _ready_sandbox(self, path) -> SandboxHandle:
+        """A sandbox, set up, for a call. Failing either is never the file's (it is not open
+        yet): a start the machine broke (a zygote killed as it started, say) is tried again,
+        after growing pauses, for up to the start timeout; a zygote that exited by itself
+        (its imports failed) is not."""
+        first, pause = time.monotonic(), 0.25
+        while True:
+            try:
+                box = self._checkout()
+                self._set_up(box, path)
+                return box
+            except (OSError, EOFError) as exc:
+                exited = getattr(exc, "zygote_exit", None)
+                if (exited is not None and exited > 0) or time.monotonic() + pause - first > config.start_timeout():
+                    error = MediaMachineFault(path, f"could not start a sandbox: {exc!r}")
+                    error.exhausted = True  # tried for as long as a start may take: no retry on top
+                    raise error from exc
+                log.warning("swift_safe_media: could not start a sandbox (%r), a machine fault; trying again "
+                            "in %.2g s", exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 2.0)
+            except MediaDecodeError as exc:
+                if exc.fault == MACHINE:
+                    raise
+                raise MediaMachineFault(path, f"could not set up a sandbox: {exc.reason}") from exc
 
     def _set_up(self, box: SandboxHandle, path) -> None:
         """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
@@ -272,7 +292,9 @@ class Engine:
         except (EOFError, ConnectionError) as exc:
             self.stats["crashes"] += 1
             status, peak_kib = self._replace(box)
-            raise self._crash(box.pid, status, peak_kib, path, time.monotonic() - clock.started) from exc
+            counters = faults.oom_kills()
+            oom, self._oom_kills = faults.risen(self._oom_kills, counters), counters
+            raise faults.crash_error(box.pid, status, peak_kib, oom, path, time.monotonic() - clock.started) from exc
         except BaseException:
             self._replace(box)  # interrupted mid-exchange: the stream is out of step
             raise
@@ -289,23 +311,6 @@ class Engine:
                       f"({details['type']}: {details['message']})", elapsed) from None
         self._checkin(box)
         raise _rebuild_exception(exc, details, path, elapsed, box.pid)
-
-    def _crash(self, pid: int, status: int, peak_kib: int, path, elapsed: float) -> MediaDecodeError:
-        """The error for a sandbox that died during a decode: the file's (a signal the
-        decode raised, its memory cap) or the machine's (see :func:`.faults.crash_verdict`)."""
-        reason = f"sandbox pid {pid} died during the decode: {describe_status(status)}"
-        cap = config.max_memory_mb()
-        if cap and peak_kib >= 0.9 * cap * 1024:
-            return MediaDecodeCrash(path, reason + f" (peak memory {peak_kib >> 10} MB, near the {cap} MB cap)",
-                                    elapsed)
-        counters = faults.oom_kills()
-        oom, self._oom_kills = faults.risen(self._oom_kills, counters), counters
-        fault, ambiguous, why = faults.crash_verdict(status, oom)
-        if fault == MACHINE:
-            return MediaMachineFault(path, f"{reason}; a machine fault, not the file's: {why}", elapsed)
-        error = MediaDecodeCrash(path, reason, elapsed)
-        error.ambiguous = ambiguous
-        return error
 
     def close(self) -> None:
         with self._lock:
