@@ -260,3 +260,28 @@ def test_a_file_size_limit_costs_no_valid_sample(clips, tmp_path):
     _, err = unwritable_registry_run(clips, registry, preexec_fn=limit_file_size)
     assert "cannot write the quarantine registry" in err, err[-3000:]
     assert registry_paths(registry) == []  # at most a torn first line, which no reader takes
+
+
+def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(run_folder, clips):
+    """torch's DataLoader stops when one of its workers is killed (its own rule, stock or
+    not); what is ours goes with the worker: its zygote and sandbox, and no record."""
+    import torch.utils.data
+
+    from .loader_datasets import SlowValidDataset
+
+    loader = torch.utils.data.DataLoader(SlowValidDataset(clips["valid"] * 4), batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)
+    worker = batches._workers[0].pid
+    deadline = time.monotonic() + 60
+    while not [pid for pid, name in tree_of(worker) if name == SANDBOX_NAME] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ours = [pid for pid, _ in tree_of(worker)]
+    assert ours, "the worker's zygote and sandbox"
+    os.kill(worker, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="DataLoader worker .* is killed by signal|exited unexpectedly"):
+        list(batches)
+    del batches
+    assert wait_until_dead(ours, within=10) == {}
+    assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []
