@@ -235,7 +235,7 @@ def _raise_given_up(exc: BaseException, failed_path=None):
     final = exc
     if _is_machine_fault(exc) and not isinstance(exc, MediaMachineFault):
         final = MediaMachineFault(exc.path, f"{exc.reason} (a machine fault, not the file's)", exc.elapsed)
-    elif _is_machine_fault(exc) and config.machine_retries():
+    elif _is_machine_fault(exc) and config.machine_retries() and not getattr(exc, "exhausted", False):
         final = MediaMachineFault(exc.path, f"{exc.reason}; {config.machine_retries()} more tries failed too",
                                   exc.elapsed)
     if failed_path is not None:

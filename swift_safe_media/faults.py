@@ -204,10 +204,16 @@ def _throttled_ns() -> int:
 class FairClock:
     """The deadline of one call in a sandbox: ``timeout`` seconds of the sandbox running
     or waiting on its file, plus the time it was kept from a CPU, at most ``ceiling``
-    times the timeout in all."""
+    times the timeout in all.
+
+    Nothing is read while a call is within its timeout (a call costs no more than it did).
+    At the deadline, the kernel's counters are read twice, a short window apart: the share
+    of that window the sandbox was kept from a CPU, times the time before it, is what the
+    call lost before; from then on what it loses is measured."""
 
     def __init__(self, pid: int, timeout: float, ceiling: float):
         self.pid, self.timeout, self.ceiling = pid, timeout, max(ceiling, 1.0)
+        self.window = min(0.1, max(0.02, 0.1 * timeout))
         self.restart()
 
     def restart(self) -> None:
@@ -215,23 +221,34 @@ class FairClock:
         self.started = time.monotonic()
         self.deadline = self.started + self.timeout
         self.waited, self.capped = 0.0, False
-        self._waits = _run_queue_waits(self.pid)
-        self._throttled = _throttled_ns()
+        self._mark = None  # (when, each thread's run-queue wait, throttled ns) at the first deadline
 
-    def kept_from_cpu(self) -> float:
-        """Seconds since the start the sandbox was runnable but not running, or throttled:
+    def _kept_from_cpu_since_mark(self) -> float:
+        """Seconds since the mark the sandbox was runnable but not running, or throttled:
         the most any one of its threads was (threads wait side by side, not in turn)."""
-        waits = _run_queue_waits(self.pid)
-        waited = max((ns - self._waits.get(tid, 0) for tid, ns in waits.items()), default=0)
-        return max(waited, _throttled_ns() - self._throttled, 0) / 1e9
+        _, waits, throttled = self._mark
+        now_waits = _run_queue_waits(self.pid)
+        waited = max((ns - waits.get(tid, 0) for tid, ns in now_waits.items()), default=0)
+        return max(waited, _throttled_ns() - throttled, 0) / 1e9
 
     def extend(self) -> bool:
         """At the deadline: move it by the time kept from a CPU so far (up to the ceiling).
         True when there is time left, False when the call has had its time."""
-        self.waited = min(self.kept_from_cpu(), self.timeout * (self.ceiling - 1))
-        self.capped = self.waited >= self.timeout * (self.ceiling - 1) - 1e-3 and self.ceiling > 1
+        now = time.monotonic()
+        if self.ceiling <= 1:
+            return False
+        if self._mark is None:
+            self._mark = (now, _run_queue_waits(self.pid), _throttled_ns())
+            self.deadline = now + self.window
+            return True
+        marked = self._mark[0]
+        since = self._kept_from_cpu_since_mark()
+        share = min(since / max(now - marked, 1e-3), 1.0)
+        most = self.timeout * (self.ceiling - 1)
+        self.waited = min(share * (marked - self.started) + since, most)
+        self.capped = self.waited >= most - 1e-3
         self.deadline = self.started + self.timeout + self.waited
-        return self.deadline - time.monotonic() > 0.005
+        return self.deadline - now > 0.005
 
     def describe(self) -> str:
         """What the timeout message adds about the CPU."""

@@ -6,7 +6,6 @@ nothing is left running. The same under a real `swift sft`: test_machine_faults_
 
 import json
 import os
-import random
 import resource
 import signal
 import statistics
@@ -21,7 +20,7 @@ from swift_safe_media import MediaDecodeCrash, MediaMachineFault, call, faults, 
 from swift_safe_media.engine import get_engine
 from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
 
-from . import sandboxed
+from . import fault_killer, sandboxed
 from .conftest import children_of, wait_until_dead
 from .fresh import ROOT, clean_environment
 from .swift_scenario import _ffmpeg
@@ -162,38 +161,52 @@ def tree_of(root: int, names=(SANDBOX_NAME, ZYGOTE_NAME)) -> list[tuple[int, str
     return found
 
 
-def test_random_kills_of_sandboxes_and_zygotes_cost_no_valid_sample(clips, tmp_path):
-    """The issue's repro: a loop decoding valid clips while another process SIGKILLs a
-    random sandbox or zygote of its tree, 8 times, 2 s apart as in the issue, each time
-    shortly after a sandbox is up (mid-decode, mostly)."""
+def next_victim(root: int, target: str, first_seen: dict, within: float = 60):
+    """Wait for what ``target`` names under ``root``: a sandbox decoding (running, up for
+    1.5 s: the decode retried after the last kill is done) or its zygote then, or a zygote
+    starting (no sandbox yet). Returns its pid, or None."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        found = fault_killer.descendants(root)
+        now = time.monotonic()
+        for pid in found:
+            first_seen.setdefault(pid, now)
+        zygotes = [pid for pid, (kind, _) in found.items() if kind == "zygote"]
+        sandboxes = [pid for pid, (kind, _) in found.items() if kind == "sandbox"]
+        if target == "starting zygote" and zygotes and not sandboxes:
+            return zygotes[0]
+        decoding = [pid for pid in sandboxes if found[pid][1] == "R" and now - first_seen[pid] > 1.5]
+        if decoding and target in ("sandbox", "zygote"):
+            return decoding[0] if target == "sandbox" else (zygotes or [None])[0]
+        time.sleep(0.02)
+    return None
+
+
+def test_kills_of_sandboxes_and_zygotes_mid_decode_or_mid_start_cost_no_valid_sample(clips, tmp_path):
+    """The issue's repro, each kind of kill on purpose: a loop decoding valid clips while
+    the test SIGKILLs a sandbox mid-decode, its zygote mid-decode, the next zygote as it
+    starts, and so on, at least 2 s apart."""
     registry = tmp_path / "quarantine.jsonl"
     loop = decode_loop(clips["valid"], {"SWIFT_SAFE_MEDIA_QUARANTINE": str(registry),
-                                        "SWIFT_SAFE_MEDIA_TIMEOUT": "30"}, rounds=6)
-    kills, seen = [], set()
-    rng = random.Random(35)
-    while loop.poll() is None and len(kills) < 8:
-        victims = tree_of(loop.pid)
-        if not any(name == SANDBOX_NAME for _, name in victims):
-            time.sleep(0.05)
-            continue
-        time.sleep(rng.uniform(0.05, 0.3))
-        victims = tree_of(loop.pid)
-        seen.update(pid for pid, _ in victims)
-        if victims:
-            victim, name = rng.choice(victims)
-            try:
-                os.kill(victim, signal.SIGKILL)
-                kills.append(name)
-            except ProcessLookupError:
-                pass
+                                        "SWIFT_SAFE_MEDIA_TIMEOUT": "30"}, rounds=8)
+    kills, first_seen = [], {}
+    for target in ("sandbox", "zygote", "starting zygote", "sandbox", "zygote", "sandbox"):
+        victim = next_victim(loop.pid, target, first_seen)
+        if victim is None or loop.poll() is not None:
+            break
+        try:
+            os.kill(victim, signal.SIGKILL)
+            kills.append(target)
+        except ProcessLookupError:
+            pass
         time.sleep(2.0)
     result, err = finished(loop)
     retried = err.count("trying again in a fresh sandbox")
-    print(f"kills: {kills}; {retried} decodes retried")
-    assert len(kills) >= 4 and retried >= 2, err[-3000:]
-    assert_every_valid_decode(result, clips["valid"], rounds=6)
+    print(f"kills: {kills}; {retried} decodes retried, {err.count('could not start a sandbox')} starts")
+    assert len(kills) >= 4 and "starting zygote" in kills and retried >= 2, (kills, err[-3000:])
+    assert_every_valid_decode(result, clips["valid"], rounds=8)
     assert not registry.exists() or registry_paths(registry) == []
-    assert wait_until_dead(seen, within=10) == {}
+    assert wait_until_dead(first_seen, within=10) == {}
 
 
 def idle_decode_seconds(clips) -> float:
