@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from swift_safe_media import MediaDecodeCrash, MediaMachineFault, call, faults, quarantine, summary
+from swift_safe_media import (MediaDecodeCrash, MediaDecodeTimeout, MediaMachineFault, call, faults, quarantine,
+                              summary)
 from swift_safe_media.engine import get_engine
 from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
 
@@ -115,6 +116,26 @@ def test_a_signal_the_decode_raises_is_still_the_files_fault(run_folder, clips):
         call(sandboxed.segfault, path=clips["garbage"])
     assert caught.value.fault == "file" and not caught.value.ambiguous
     assert registry_paths(run_folder / "q" / "quarantine.jsonl") == [os.path.realpath(clips["garbage"])]
+
+
+def test_a_decode_kept_from_the_cpu_gets_its_time(run_folder, clips, monkeypatch):
+    """Four processes spinning on these cores keep a decode that needs 0.6 s of CPU from
+    finishing within its 0.9 s timeout: with the fair clock it decodes; counted in wall
+    time (ceiling 1, as before) the same decode is refused."""
+    call(sandboxed.add, 1, 1)  # the sandbox is up before the CPUs are taken
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        started = time.monotonic()
+        assert call(sandboxed.burn_cpu, 0.6, path=clips["valid"][0], timeout=0.9) >= 0.6
+        print(f"0.6 s of CPU, 0.9 s timeout, 4 processes spinning: decoded after {time.monotonic() - started:.2f} s")
+        monkeypatch.setenv("SWIFT_SAFE_MEDIA_TIMEOUT_CEILING", "1")
+        with pytest.raises(MediaDecodeTimeout):
+            call(sandboxed.burn_cpu, 0.6, path=clips["valid"][1], timeout=0.9)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert registry_paths(run_folder / "q" / "quarantine.jsonl") == [os.path.realpath(clips["valid"][1])]
 
 
 def test_the_oom_killers_counters_are_read_here():
@@ -275,10 +296,12 @@ def test_a_file_size_limit_costs_no_valid_sample(clips, tmp_path):
     assert registry_paths(registry) == []  # at most a torn first line, which no reader takes
 
 
-def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(run_folder, clips):
+def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(run_folder, clips, monkeypatch):
     """torch's DataLoader stops when one of its workers is killed (its own rule, stock or
     not); what is ours goes with the worker: its zygote and sandbox, and no record."""
     import torch.utils.data
+
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_PRELOAD", "numpy")  # the workers' zygotes start in a second
 
     from .loader_datasets import SlowValidDataset
 
