@@ -293,14 +293,16 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
         results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0],
                                    on_progress=ended, on_start=started, restart_on_progress=False)
     except BaseException as exc:
-        if (isinstance(exc, (MediaDecodeTimeout, MediaDecodeCrash)) and len(pending) > 1) or _is_machine_fault(exc):
-            if _is_machine_fault(exc):
+        machine = _is_machine_fault(exc)
+        retry = machine and _retries(exc, 1, paths[culprit()])
+        if (isinstance(exc, (MediaDecodeTimeout, MediaDecodeCrash)) and len(pending) > 1 and not machine) or retry:
+            if retry:
                 accountings[culprit()].end(exc, retried=True)
             for index in pending | set(failed):
                 accountings[index].forget()
             watchdog.InFlight.end(marker)
-            # With a machine fault the batch runs again (one call after another, retried as such).
-            return _call_each(fn, arguments, paths, timeout, confine)
+            # The batch runs again one call after another (after a machine fault: its second attempt).
+            return _call_each(fn, arguments, paths, timeout, confine, attempt=2 if retry else 1)
         blamed = culprit()
         for index in sorted(pending | set(failed)):
             if index == blamed:

@@ -51,14 +51,15 @@ def session_of(marker: str) -> int | None:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs, 2 s apart, what ``plan`` names (sandbox, zygote, forkserver) among the
+    """SIGKILLs, ``gap`` s apart, what ``plan`` names (sandbox, zygote, forkserver) among the
     descendants of the process whose command line names ``marker``, each while one of its
     sandboxes runs (a decode in flight); ``killed`` says what it hit, ``seen`` every
     sandbox, zygote and forkserver it saw. Stops when ``done`` is set."""
 
-    def __init__(self, marker: str, plan):
+    def __init__(self, marker: str, plan, gap: float = 2.0):
         super().__init__(daemon=True)
-        self.marker, self.plan, self.killed, self.seen, self.done = marker, plan, [], set(), threading.Event()
+        self.marker, self.plan, self.gap = marker, plan, gap
+        self.killed, self.seen, self.done = [], set(), threading.Event()
 
     def run(self):
         session = None
@@ -81,4 +82,4 @@ class Killer(threading.Thread):
                         continue
                     break
                 time.sleep(0.02)
-            self.done.wait(2.0)
+            self.done.wait(self.gap)

@@ -18,7 +18,7 @@ import pytest
 
 from swift_safe_media import (MediaDecodeCrash, MediaDecodeTimeout, MediaMachineFault, call, faults, quarantine,
                               summary)
-from swift_safe_media.engine import get_engine
+from swift_safe_media.engine import call_each, get_engine
 from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
 
 from . import fault_killer, sandboxed
@@ -94,6 +94,18 @@ def test_the_zygote_killed_mid_decode_is_replaced_and_the_decode_retried(run_fol
     assert "its zygote is gone" in err and "trying again in a fresh sandbox" in err, err
     assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []
     assert wait_until_dead([zygote, sandbox], within=5) == {}
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_batch_hit_by_a_kill_runs_again(run_folder, clips, capfd, parallel):
+    """call_each (LeRobot decodes a sample's cameras so): the batch runs again, one call
+    after another, and every call gives its result."""
+    kill_later(call(sandboxed.sandbox_pid), 0.5)
+    paths = clips["valid"][:2]
+    assert call_each(sandboxed.sleep_then_return, [(1.0, "a"), (1.0, "b")], paths, timeout=20,
+                     parallel=parallel) == ["a", "b"]
+    assert "trying again in a fresh sandbox (attempt 2 of 3)" in capfd.readouterr().err
+    assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []
 
 
 def test_machine_faults_that_outlast_the_retries_skip_the_sample_and_never_quarantine(run_folder, clips,
