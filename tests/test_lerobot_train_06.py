@@ -170,7 +170,7 @@ def test_protected_lerobot_train_06_under_machine_faults_loses_no_sample(dataset
     from .fault_killer import Killer
 
     output_dir = tmp_path / "outputs"
-    killer = Killer(str(output_dir), ("zygote", "sandbox", "sandbox", "sandbox"), gap=1.0)
+    killer = Killer(str(output_dir), ("sandbox", "zygote", "sandbox"), gap=3.0)
     killer.start()
     try:
         run = run_train(train_command(datasets["clean"], output_dir, "--safe_media=true", "--safe_media_timeout=60"),

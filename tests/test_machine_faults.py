@@ -333,3 +333,15 @@ def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(r
     del batches
     assert wait_until_dead(ours, within=10) == {}
     assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []
+
+
+def test_the_warm_forkserver_killed_mid_epoch_costs_no_sample():
+    """Its workers go on (they watch the trainer, not the forkserver); the next DataLoader's
+    workers come from a new forkserver."""
+    done = subprocess.run([sys.executable, "-m", "tests.programs.forkserver_killed"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=clean_environment({"PYTHONPATH": ROOT}, warm_start=True))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["first"] == result["second"] == [2 * index for index in range(12)], result
+    assert result["killed"] and result["new_forkserver"] != result["killed"]
+
