@@ -17,7 +17,7 @@ import logging
 import os
 import time
 
-from . import config, sandbox, watchdog
+from . import config, faults, sandbox, watchdog
 from .accounting import Accounting
 from .errors import (MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,
                      MediaQuarantined)
@@ -220,7 +220,8 @@ def _is_machine_fault(exc: BaseException) -> bool:
 def _retries(exc: BaseException, attempt: int, media) -> bool:
     """Whether a failed attempt is tried again: a machine fault, with retries left."""
     attempts = config.machine_retries() + 1
-    if not _is_machine_fault(exc) or attempt >= attempts or getattr(exc, "exhausted", False):
+    if not _is_machine_fault(exc) or attempt >= attempts or getattr(exc, "exhausted", False) \
+            or faults.caller_gone():
         return False
     reason = exc.reason if "a machine fault" in exc.reason else f"{exc.reason}; a machine fault, not the file's"
     log.warning("swift_safe_media: %s: %s; trying again in a fresh sandbox (attempt %d of %d)",

@@ -23,7 +23,9 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import select
 import signal
+import sys
 import time
 
 from . import config
@@ -102,6 +104,42 @@ def is_machine_error(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+# -- whom this process works for ------------------------------------------------------
+_parent = os.getppid()  # this process's parent as it started (a DataLoader worker's: its trainer)
+
+
+def _remember_parent() -> None:
+    global _parent
+    _parent = os.getppid()
+
+
+os.register_at_fork(after_in_child=_remember_parent)
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie too)."""
+    try:
+        descriptor = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return not os.path.exists(f"/proc/{pid}")
+    try:
+        return bool(select.select([descriptor], [], [], 0)[0])
+    finally:
+        os.close(descriptor)
+
+
+def caller_gone() -> bool:
+    """Whether the process this one decodes for is gone: a DataLoader worker whose trainer
+    was killed. Its machine faults are not retried (the zygote that died went with the
+    trainer, and nobody waits for the sample)."""
+    from .worker_watchdog import TrainerWatchdog
+
+    if TrainerWatchdog.trainer:  # forked from the warm forkserver: the trainer, not the parent
+        return _exited(TrainerWatchdog.trainer)
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None and os.getppid() != _parent
 
 
 # -- the OOM killer -------------------------------------------------------------------

@@ -241,7 +241,8 @@ class Engine:
                 return box
             except (OSError, EOFError) as exc:
                 exited = getattr(exc, "zygote_exit", None)
-                if (exited is not None and exited > 0) or time.monotonic() + pause - first > config.start_timeout():
+                if (exited is not None and exited > 0) or faults.caller_gone() \
+                        or time.monotonic() + pause - first > config.start_timeout():
                     error = MediaMachineFault(path, f"could not start a sandbox: {exc!r}")
                     error.exhausted = True  # tried for as long as a start may take: no retry on top
                     raise error from exc
