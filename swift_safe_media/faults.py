@@ -125,7 +125,9 @@ def _exited(pid: int) -> bool:
     except (AttributeError, OSError):
         return not os.path.exists(f"/proc/{pid}")
     try:
-        return bool(select.select([descriptor], [], [], 0)[0])
+        poller = select.poll()
+        poller.register(descriptor, select.POLLIN)
+        return bool(poller.poll(0))
     finally:
         os.close(descriptor)
 

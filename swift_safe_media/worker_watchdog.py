@@ -34,7 +34,9 @@ class TrainerWatchdog:
 
     def is_alive(self) -> bool:
         if not self.manager_dead:
-            self.manager_dead = bool(select.select([self._pidfd], [], [], 0)[0])  # readable: it exited
+            poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+            self.manager_dead = bool(poller.poll(0))  # readable: it exited
         return not self.manager_dead
 
 
