@@ -9,7 +9,7 @@ from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
 
 
 def descendants(root: int) -> dict[int, tuple[str, str]]:
-    """pid -> (what it is: sandbox, zygote, forkserver or other; its state) for every
+    """pid -> (what it is: sandbox, zygote, forkserver, worker or other; its state) for every
     process under ``root`` (sandboxes lead sessions of their own: found by parent)."""
     table = {}
     for entry in os.listdir("/proc"):
@@ -27,6 +27,10 @@ def descendants(root: int) -> dict[int, tuple[str, str]]:
         kind = {SANDBOX_NAME: "sandbox", ZYGOTE_NAME: "zygote"}.get(name) or \
             ("forkserver" if b"multiprocessing.forkserver" in command else "other")
         table[int(entry)] = (int(fields[1]), kind, fields[0])
+    for pid, (ppid, kind, state) in list(table.items()):
+        # What a forkserver forks (DataLoader workers) has its command line too.
+        if kind == "forkserver" and table.get(ppid, (0, ""))[1] == "forkserver":
+            table[pid] = (ppid, "worker", state)
     found, queue = {}, [root]
     while queue:
         parent = queue.pop()
