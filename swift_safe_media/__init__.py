@@ -6,11 +6,12 @@ package_logger()
 
 from .activation import disable, enable, is_enabled  # noqa: E402
 from .engine import call, isolated, shutdown  # noqa: E402
-from .errors import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined,  # noqa: E402
-                     ProtectionUnavailable)
+from .errors import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,  # noqa: E402
+                     MediaQuarantined, ProtectionUnavailable)
 
 __version__ = "0.1.0"
 
 __all__ = ["call", "isolated", "shutdown", "enable", "disable", "is_enabled",
-           "MediaDecodeError", "MediaDecodeTimeout", "MediaDecodeCrash", "MediaQuarantined", "ProtectionUnavailable",
+           "MediaDecodeError", "MediaDecodeTimeout", "MediaDecodeCrash", "MediaQuarantined", "MediaMachineFault",
+           "ProtectionUnavailable",
            "__version__"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from . import quarantine, summary, watchdog
-from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined
+from .errors import MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaQuarantined
 
 FAILURE_KINDS = {MediaDecodeTimeout: "timeout", MediaDecodeCrash: "crash"}
 
@@ -45,17 +45,20 @@ class Accounting:
         watchdog.InFlight.end(self.marker)
         self.marker, self.started = "", None
 
-    def end(self, exc: BaseException | None = None) -> None:
-        """Close the current decode: ok without ``exc``, else the failure ``exc``."""
+    def end(self, exc: BaseException | None = None, retried: bool = False) -> None:
+        """Close the current decode: ok without ``exc``, else the failure ``exc`` (a machine
+        fault: ``retried`` in a fresh sandbox, or the sample skipped; never quarantined)."""
         if self.started is None:
             return  # failed before it began (quarantined)
         watchdog.InFlight.end(self.marker)
         elapsed = time.monotonic() - self.started
         outcome = "ok"
-        if exc is not None:
+        if isinstance(exc, MediaDecodeError) and exc.fault == MACHINE:
+            outcome = "machine" if retried else "machine_skipped"
+        elif exc is not None:
             outcome = FAILURE_KINDS.get(type(exc), "error")
             if isinstance(exc, MediaDecodeError) and self.registry is not None and self.media is not None:
-                self.registry.record(self.media, outcome, exc.reason, exc.elapsed)
+                self.registry.record(self.media, outcome, exc.reason, exc.elapsed, ambiguous=exc.ambiguous)
         if self.stats is not None:
             self.stats.record(self.media, outcome, elapsed)
         self.marker, self.started = "", None

@@ -28,6 +28,7 @@ def main(argv=None) -> int:
                       help="decode on a Ray cluster: ADDRESS ('auto', 'HOST:PORT', 'ray://HOST:10001'), "
                            "else the one RAY_ADDRESS names, else a new local one (pip install "
                            "'swift-safe-media[ray]')")
+    add_quarantine_commands(commands)
     commands.add_parser("confinement", help="show what confines the decode sandboxes here (JSON)")
     from .integrations.swift import FLAGS  # the flags ms-swift and LeRobot take, parsed the same way
     commands.add_parser("doctor", parents=[FLAGS], help="show what is installed and in force; "
@@ -38,7 +39,74 @@ def main(argv=None) -> int:
         return show_confinement()
     if args.command == "doctor":
         return run_doctor(args)
+    if args.command == "quarantine":
+        return run_quarantine(args)
     return run_scan(args)
+
+
+def add_quarantine_commands(commands) -> None:
+    parser = commands.add_parser("quarantine", help="see the quarantine registry's entries, decode them again, "
+                                                    "drop the ones that decode or that you name")
+    actions = parser.add_subparsers(dest="action", required=True)
+    where = dict(nargs="?", default=None, help=f"the registry (default: {config.QUARANTINE})")
+    actions.add_parser("list", help="the files the registry refuses, and why").add_argument("registry", **where)
+    recheck = actions.add_parser("recheck", help="decode every refused file again with a longer timeout and "
+                                                 "forget the ones that decode")
+    recheck.add_argument("registry", **where)
+    recheck.add_argument("--timeout", type=float, default=None,
+                         help="seconds per file (default: 4 times SWIFT_SAFE_MEDIA_TIMEOUT)")
+    recheck.add_argument("--workers", type=int, default=1, help="files decoded at once (default: 1)")
+    forget = actions.add_parser("forget", help="stop refusing the files named (or --all)")
+    forget.add_argument("registry", **where)
+    forget.add_argument("paths", nargs="*", help="files to forget")
+    forget.add_argument("--all", action="store_true", help="every file the registry refuses")
+
+
+def run_quarantine(args) -> int:
+    """``quarantine list | recheck | forget``: what a user does with files refused."""
+    from . import quarantine
+
+    path = args.registry or config.get(config.QUARANTINE)
+    if not path:
+        print(f"swift-safe-media quarantine: name the registry (or set {config.QUARANTINE})", file=sys.stderr)
+        return 2
+    registry = quarantine.Registry(path)
+    entries = registry.current()
+    if args.action == "list":
+        for entry in sorted(entries, key=lambda entry: entry["path"]):
+            changed = "" if registry.lookup(entry["path"]) is entry else "  (changed since: not refused)"
+            print(f"{entry['path']}  {entry['kind']}  {entry['time']} {entry['host']} rank {entry['rank']}: "
+                  f"{entry['reason']}{changed}")
+        print(f"{len(entries)} quarantined", file=sys.stderr)
+        return 0
+    if args.action == "forget":
+        named = [entry["path"] for entry in entries] if args.all else args.paths
+        forgotten = [path for path in named if registry.forget(path)]
+        print(f"forgot {len(forgotten)} of {len(named)}: {', '.join(forgotten)}", file=sys.stderr)
+        return 0 if len(forgotten) == len(named) else 1
+    return recheck_quarantine(registry, entries, args)
+
+
+def recheck_quarantine(registry, entries, args) -> int:
+    """Decode each refused, unchanged file again (the pre-flight scan's checks), with a
+    longer timeout; forget those that decode. Exit 1 while any still fails."""
+    from . import scan, shutdown
+
+    config.write(timeout=args.timeout or 4 * config.timeout())
+    config.put(config.QUARANTINE, None)  # the files are tried whether refused or not
+    items = [scan.Item(entry["path"], scan.kind_of(entry["path"]) or "video") for entry in entries
+             if registry.lookup(entry["path"]) is entry]
+    try:
+        problems, _ = scan.scan(items, max(1, args.workers))
+    finally:
+        shutdown()
+    failing = {problem.path: problem for problem in problems}
+    for item in items:
+        if item.path in failing:
+            print(f"still fails: {item.path}: {failing[item.path].problem}")
+        elif registry.forget(item.path):
+            print(f"decodes now, forgotten: {item.path}")
+    return 1 if failing else 0
 
 
 def show_confinement() -> int:

@@ -100,6 +100,11 @@ STARTUP_HOOK = _declare("SWIFT_SAFE_MEDIA_STARTUP_HOOK", SWITCH, True,
 # The engine.
 TIMEOUT = _declare("SWIFT_SAFE_MEDIA_TIMEOUT", FLOAT, DEFAULT_TIMEOUT_S,
                    "seconds a call may run before its sandbox is killed", minimum=0.001)
+TIMEOUT_CEILING = _declare("SWIFT_SAFE_MEDIA_TIMEOUT_CEILING", FLOAT, 5.0,
+                           "most a call may run, as a multiple of its timeout, when time its sandbox "
+                           "waited for a CPU is added to it", minimum=1.0)
+MACHINE_RETRIES = _declare("SWIFT_SAFE_MEDIA_MACHINE_RETRIES", INT, 2,
+                           "fresh sandboxes a call tries after a machine fault", minimum=0)
 MAX_MEMORY_MB = _declare("SWIFT_SAFE_MEDIA_MAX_MEMORY_MB", INT, default_max_memory_mb,
                          "address space a sandbox may add; 0: no cap", minimum=0)
 THREADS = _declare("SWIFT_SAFE_MEDIA_THREADS", INT, decode_thread_budget,
@@ -199,7 +204,7 @@ PREFLIGHT_PASSED = _declare("SWIFT_SAFE_MEDIA_PREFLIGHT_PASSED", TEXT, None,
                             "what passed the check, for child processes (they do not check again)",
                             internal=True)
 # Logging.
-LOG_LEVEL = _declare("SWIFT_SAFE_MEDIA_LOG_LEVEL", CHOICE, "WARNING",
+LOG_LEVEL = _declare("SWIFT_SAFE_MEDIA_LOG_LEVEL", CHOICE, "INFO",
                      "level of the package's own stderr log handler", choices=LOG_LEVELS)
 
 # Libraries that size thread pools from these variables at import time (not our settings).
@@ -210,6 +215,14 @@ THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
 # -- accessors for the settings read most -----------------------------------------------
 def timeout() -> float:
     return get(TIMEOUT)
+
+
+def timeout_ceiling() -> float:
+    return get(TIMEOUT_CEILING)
+
+
+def machine_retries() -> int:
+    return get(MACHINE_RETRIES)
 
 
 def start_timeout() -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 
 # Newer than some libseccomp releases know (Linux 6.13); one number on every
@@ -139,18 +140,27 @@ class SeccompFilter:
             raise OSError(-rc, f"seccomp rule for syscall {number}: {os.strerror(-rc)}")
 
     def export_bpf(self) -> bytes:
-        out = os.memfd_create("swift-safe-media-seccomp")
+        # Through a pipe, not a file: a file-size limit (`ulimit -f`) would cut a file short
+        # and leave a program the kernel refuses. A program is a few KiB; the pipe holds 1 MiB.
+        read_end, write_end = os.pipe()
         try:
-            rc = self.lib.seccomp_export_bpf(self.ctx, out)
+            try:
+                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
+            rc = self.lib.seccomp_export_bpf(self.ctx, write_end)
             if rc < 0:
                 raise OSError(-rc, f"seccomp_export_bpf: {os.strerror(-rc)}")
-            os.lseek(out, 0, os.SEEK_SET)
+            os.close(write_end)
+            write_end = -1
             chunks = []
-            while chunk := os.read(out, 1 << 16):
+            while chunk := os.read(read_end, 1 << 16):
                 chunks.append(chunk)
             return b"".join(chunks)
         finally:
-            os.close(out)
+            for end in (read_end, write_end):
+                if end >= 0:
+                    os.close(end)
 
 
 def create_landlock_ruleset(abi: int, handled_fs: int, handled_net: int, scoped: int) -> int:

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import time
 
-from . import config, sandbox, watchdog
+from . import config, faults, sandbox, watchdog
 from .accounting import Accounting
-from .errors import MediaDecodeCrash, MediaDecodeTimeout, MediaQuarantined
+from .errors import (MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,
+                     MediaQuarantined)
 from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setup, get_engine,
                    set_up_sandboxes, shutdown)
 from .sandbox import in_sandbox, mark_in_sandbox
+
+log = logging.getLogger("swift_safe_media")
 
 __all__ = ["call", "call_each", "isolated", "fetch", "SharedTimeout", "path_hint", "FAILED_PATH",
            # re-exported from .pool and .sandbox
@@ -63,6 +67,11 @@ def call(fn, *args, timeout: float | None = None, path=None, confine: bool = Tru
     the media in error messages (else the first path-like argument does); it is passed
     on to ``fn`` only if ``fn`` has a parameter called ``path``. ``confine=False`` runs
     it in an unconfined sandbox (one that may use the network, run programs, write files).
+
+    A failure that is the machine's, not the file's (its sandbox killed from outside or
+    by the OOM killer, a sandbox that could not start, a zygote gone) is retried in a
+    fresh sandbox, ``SWIFT_SAFE_MEDIA_MACHINE_RETRIES`` times; then it raises
+    :class:`MediaMachineFault`, and the file is not quarantined.
     """
     if path is not None and _accepts_path(fn):
         kwargs["path"] = path
@@ -111,26 +120,34 @@ def _call(fn, args, kwargs, timeout, media, confined, count_success=True, on_sta
         timeout = min(timeout, shared.deadline - time.monotonic())
     accounting = Accounting(fn)
     accounting.check(media)
-    accounting.begin(media)
 
     def started():
         accounting.restart_clock()
         if on_start is not None:
             on_start()
 
-    try:
-        if timeout <= 0:  # the first step took it all (and ended just short of it)
-            raise MediaDecodeTimeout(media, "overran its timeout before the decode could start", 0.0)
-        result = get_engine(confined).run(fn, args, kwargs, timeout, media, on_start=started)
-    except MediaDecodeTimeout as exc:
-        if shared is not None:
-            exc = MediaDecodeTimeout(exc.path, f"the download and the decode together overran their "
-                                               f"{shared.timeout:g} s timeout ({exc.reason})", exc.elapsed)
-        accounting.end(exc)
-        raise exc from None
-    except BaseException as exc:
-        accounting.end(exc)
-        raise
+    attempt = 1
+    while True:
+        accounting.begin(media)
+        try:
+            if timeout <= 0:  # the first step took it all (and ended just short of it)
+                raise MediaDecodeTimeout(media, "overran its timeout before the decode could start", 0.0)
+            result = get_engine(confined).run(fn, args, kwargs, timeout, media, on_start=started)
+            break
+        except MediaDecodeTimeout as exc:
+            if shared is not None:
+                ambiguous = exc.ambiguous
+                exc = MediaDecodeTimeout(exc.path, f"the download and the decode together overran their "
+                                                   f"{shared.timeout:g} s timeout ({exc.reason})", exc.elapsed)
+                exc.ambiguous = ambiguous
+            accounting.end(exc)
+            raise exc from None
+        except BaseException as exc:
+            retry = _retries(exc, attempt, media)
+            accounting.end(exc, retried=retry)
+            if not retry:
+                _raise_given_up(exc)
+            attempt += 1
     if count_success:
         accounting.end()
     else:
@@ -163,6 +180,12 @@ def call_each(fn, arguments, paths, timeout: float | None = None, parallel: bool
     timeout = config.timeout() if timeout is None else float(timeout)
     if parallel and len(arguments) > 1:
         return _call_parallel(fn, arguments, paths, timeout, confine)
+    return _call_each(fn, arguments, paths, timeout, confine)
+
+
+def _call_each(fn, arguments, paths, timeout: float, confine: bool, attempt: int = 1) -> list:
+    """``call_each`` one call after another; a machine fault runs the batch again (its
+    calls before the fault are counted again: they are decoded again)."""
     accounting = Accounting(fn)
     current = 0
 
@@ -180,15 +203,50 @@ def call_each(fn, arguments, paths, timeout: float | None = None, parallel: bool
         results = get_engine(confine).run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0],
                                    on_progress=next_call, on_start=accounting.restart_clock)
     except BaseException as exc:
-        accounting.end(exc)
+        retry = _retries(exc, attempt, paths[current])
+        accounting.end(exc, retried=retry)
+        if retry:
+            return _call_each(fn, arguments, paths, timeout, confine, attempt + 1)
         failed = exc.path if isinstance(exc, MediaQuarantined) else paths[current]
-        try:
-            setattr(exc, FAILED_PATH, failed)
-        except AttributeError:
-            pass
-        raise
+        _raise_given_up(exc, failed)
     accounting.end()
     return results
+
+
+def _is_machine_fault(exc: BaseException) -> bool:
+    return isinstance(exc, MediaDecodeError) and exc.fault == MACHINE
+
+
+def _retries(exc: BaseException, attempt: int, media) -> bool:
+    """Whether a failed attempt is tried again: a machine fault, with retries left."""
+    attempts = config.machine_retries() + 1
+    if not _is_machine_fault(exc) or attempt >= attempts or getattr(exc, "exhausted", False) \
+            or faults.caller_gone():
+        return False
+    reason = exc.reason if "a machine fault" in exc.reason else f"{exc.reason}; a machine fault, not the file's"
+    log.warning("swift_safe_media: %s: %s; trying again in a fresh sandbox (attempt %d of %d)",
+                media, reason, attempt + 1, attempts)
+    return True
+
+
+def _raise_given_up(exc: BaseException, failed_path=None):
+    """Raise the error of a call that failed for good: a machine fault as a
+    :class:`MediaMachineFault` (the sample is skipped for this run, the file not
+    quarantined); ``failed_path`` is set on it for ``call_each``."""
+    final = exc
+    if _is_machine_fault(exc) and not isinstance(exc, MediaMachineFault):
+        final = MediaMachineFault(exc.path, f"{exc.reason} (a machine fault, not the file's)", exc.elapsed)
+    elif _is_machine_fault(exc) and config.machine_retries() and not getattr(exc, "exhausted", False):
+        final = MediaMachineFault(exc.path, f"{exc.reason}; {config.machine_retries()} more tries failed too",
+                                  exc.elapsed)
+    if failed_path is not None:
+        try:
+            setattr(final, FAILED_PATH, failed_path)
+        except AttributeError:
+            pass
+    if final is exc:
+        raise exc
+    raise final from exc
 
 
 def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
@@ -236,11 +294,16 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
         results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0],
                                    on_progress=ended, on_start=started, restart_on_progress=False)
     except BaseException as exc:
-        if isinstance(exc, (MediaDecodeTimeout, MediaDecodeCrash)) and len(pending) > 1:
+        machine = _is_machine_fault(exc)
+        retry = machine and _retries(exc, 1, paths[culprit()])
+        if (isinstance(exc, (MediaDecodeTimeout, MediaDecodeCrash)) and len(pending) > 1 and not machine) or retry:
+            if retry:
+                accountings[culprit()].end(exc, retried=True)
             for index in pending | set(failed):
                 accountings[index].forget()
             watchdog.InFlight.end(marker)
-            return call_each(fn, arguments, paths, timeout, confine=confine)
+            # The batch runs again one call after another (after a machine fault: its second attempt).
+            return _call_each(fn, arguments, paths, timeout, confine, attempt=2 if retry else 1)
         blamed = culprit()
         for index in sorted(pending | set(failed)):
             if index == blamed:

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 
+FILE, MACHINE = "file", "machine"  # whose fault a failure is (see swift_safe_media.faults)
+
+
 class MediaDecodeError(RuntimeError):
-    """A media item could not be decoded; ``.path`` names it and ``.reason`` says why."""
+    """A media item could not be decoded; ``.path`` names it and ``.reason`` says why.
+
+    ``.fault`` says whose fault it was: ``"file"`` (the default: the decode itself
+    failed, hung or crashed) or ``"machine"`` (see :class:`MediaMachineFault`).
+    ``.ambiguous`` marks a file's failure that is not proof on its own (a timeout cut
+    short by the ceiling while the CPU was starved): the file is quarantined only if it
+    fails again."""
+
+    fault = FILE
+    ambiguous = False
 
     def __init__(self, path, reason: str, elapsed: float | None = None):
         self.path = None if path is None else str(path)
@@ -20,11 +32,18 @@ class MediaDecodeError(RuntimeError):
 
     def with_context(self, path, elapsed):
         """A copy that fills in what the raiser did not know (the caller knows the path)."""
-        return type(self)(self.path if self.path is not None else path, self.reason,
+        copy = type(self)(self.path if self.path is not None else path, self.reason,
                           self.elapsed if self.elapsed is not None else elapsed)
+        copy.__dict__.update(self._verdict())
+        return copy
+
+    def _verdict(self) -> dict:
+        """What was decided about whose fault this is, where it differs from the class's."""
+        return {name: self.__dict__[name] for name in ("fault", "ambiguous") if name in self.__dict__}
 
     def __reduce__(self):
-        return type(self), (self.path, self.reason, self.elapsed)
+        verdict = self._verdict()
+        return (type(self), (self.path, self.reason, self.elapsed)) + ((verdict,) if verdict else ())
 
 
 class MediaDecodeTimeout(MediaDecodeError):
@@ -37,6 +56,15 @@ class MediaDecodeCrash(MediaDecodeError):
 
 class MediaQuarantined(MediaDecodeError):
     """The file failed before and has not changed since, so it is refused at once."""
+
+
+class MediaMachineFault(MediaDecodeError):
+    """The decode failed because of the machine, not the file: its sandbox was killed
+    from outside (the OOM killer, an operator's ``kill``), could not start, lost its
+    zygote or its transport, or ran out of a machine resource. It was retried in a fresh
+    sandbox and failed again; the file is never quarantined for it."""
+
+    fault = MACHINE
 
 
 def short_reason(exc: BaseException) -> str:

@@ -19,12 +19,13 @@ import atexit
 import logging
 import os
 import pickle
-import signal
+import select
 import threading
 import time
 
-from . import config, confine, process, transport
-from .errors import MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout
+from . import config, confine, faults, process, transport
+from .errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
+from .faults import describe_status
 from .shared_zygote import shared_address
 from .zygote import SandboxHandle, Zygote
 
@@ -76,6 +77,7 @@ class Engine:
         self._closed = False
         self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0,
                       "last_kill_to_ready_s": None}
+        self._oom_kills = faults.oom_kills()  # the OOM killer's counters, as last read
 
     # -- pool ---------------------------------------------------------------------
     def _checkout(self) -> SandboxHandle:
@@ -216,18 +218,42 @@ class Engine:
         starts again: the next call of a ``call_each`` batch has begun)."""
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
-            box = self._checkout()
-            self._set_up(box, path)
-        except BaseException as exc:
+            box = self._ready_sandbox(path)
+        except BaseException:
             if owned:
                 os.close(fd)
-            if isinstance(exc, (OSError, EOFError)):
-                raise MediaDecodeCrash(path, f"could not start a sandbox: {exc!r}") from exc
             raise
         self.stats["calls"] += 1
         if on_start is not None:
             on_start()
         return self._exchange(box, message, fd, owned, timeout, path, on_progress, restart=restart_on_progress)
+
+    def _ready_sandbox(self, path) -> SandboxHandle:
+        """A sandbox, set up, for a call. Failing either is never the file's (it is not open
+        yet): a start the machine broke (a zygote killed as it started, say) is tried again,
+        after growing pauses, for up to the start timeout; a zygote that exited by itself
+        (its imports failed) is not."""
+        first, pause = time.monotonic(), 0.25
+        while True:
+            try:
+                box = self._checkout()
+                self._set_up(box, path)
+                return box
+            except (OSError, EOFError) as exc:
+                exited = getattr(exc, "zygote_exit", None)
+                if (exited is not None and exited > 0) or faults.caller_gone() \
+                        or time.monotonic() + pause - first > config.start_timeout():
+                    error = MediaMachineFault(path, f"could not start a sandbox: {exc!r}")
+                    error.exhausted = True  # tried for as long as a start may take: no retry on top
+                    raise error from exc
+                log.warning("swift_safe_media: could not start a sandbox (%r), a machine fault; trying again "
+                            "in %.2g s", exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 2.0)
+            except MediaDecodeError as exc:
+                if exc.fault == MACHINE:
+                    raise
+                raise MediaMachineFault(path, f"could not set up a sandbox: {exc.reason}") from exc
 
     def _set_up(self, box: SandboxHandle, path) -> None:
         """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
@@ -240,42 +266,40 @@ class Engine:
                   keep: bool = False, restart: bool = True):
         """Send one request and return its result. The sandbox goes back to the pool
         afterwards, or stays checked out with ``keep`` and a result; one that failed
-        is replaced."""
-        started = time.monotonic()
-        deadline = started + timeout
+        is replaced. The timeout does not count time the sandbox waited for a CPU (up to
+        a ceiling: see :class:`~.faults.FairClock`)."""
+        clock = faults.FairClock(box.pid, timeout, config.timeout_ceiling())
         try:
             try:
-                box.hand_back_blocks(deadline)
+                box.hand_back_blocks(clock.deadline)
             except BaseException:
                 if owned:
                     os.close(fd)
                 raise
-            transport.send_encoded(box.conn, message, fd, owned, deadline)
-            kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
+            transport.send_encoded(box.conn, message, fd, owned, clock.deadline)
+            kind, payload = _receive(box, clock)
             while kind == transport.PROGRESS:  # a call of a call_each batch starts (or ends)
                 path = on_progress(payload)
                 if restart:
-                    started = time.monotonic()
-                    deadline = started + timeout
-                kind, payload = transport.receive(box.conn, deadline, blocks=box.blocks)
+                    clock.restart()
+                kind, payload = _receive(box, clock)
         except TimeoutError:
             self.stats["timeouts"] += 1
             self._replace(box)
-            raise MediaDecodeTimeout(
-                path, f"decode overran its {timeout:g} s timeout; sandbox pid {box.pid} was killed",
-                time.monotonic() - started) from None
+            error = MediaDecodeTimeout(path, f"decode overran its {timeout:g} s timeout{clock.describe()}; "
+                                             f"sandbox pid {box.pid} was killed", time.monotonic() - clock.started)
+            error.ambiguous = clock.capped  # cut short by the ceiling: the machine may be to blame
+            raise error from None
         except (EOFError, ConnectionError) as exc:
             self.stats["crashes"] += 1
             status, peak_kib = self._replace(box)
-            reason = f"sandbox pid {box.pid} died during the decode: {describe_status(status)}"
-            cap = config.max_memory_mb()
-            if cap and peak_kib >= 0.9 * cap * 1024:
-                reason += f" (peak memory {peak_kib >> 10} MB, near the {cap} MB cap)"
-            raise MediaDecodeCrash(path, reason, time.monotonic() - started) from exc
+            counters = faults.oom_kills()
+            oom, self._oom_kills = faults.risen(self._oom_kills, counters), counters
+            raise faults.crash_error(box.pid, status, peak_kib, oom, path, time.monotonic() - clock.started) from exc
         except BaseException:
             self._replace(box)  # interrupted mid-exchange: the stream is out of step
             raise
-        elapsed = time.monotonic() - started
+        elapsed = time.monotonic() - clock.started
         if kind == transport.RESULT:
             if not keep:
                 self._checkin(box)
@@ -316,19 +340,16 @@ def _encode_request(fn, args, kwargs):
                         f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
 
 
-def describe_status(status: int) -> str:
-    if status < 0:
-        return "exit status unknown"
-    if os.WIFSIGNALED(status):
-        number = os.WTERMSIG(status)
-        try:
-            name = signal.Signals(number).name
-        except ValueError:
-            name = "unknown signal"
-        return f"killed by signal {number} ({name})"
-    if os.WIFEXITED(status):
-        return f"exited with code {os.WEXITSTATUS(status)}"
-    return f"wait status {status}"
+def _receive(box: SandboxHandle, clock: faults.FairClock):
+    """The sandbox's next message, by the clock's deadline, moved on by the time the
+    sandbox waited for a CPU. Waiting happens before a message starts, so a deadline
+    never cuts one in half; the message itself gets a second more."""
+    poller = select.poll()  # not select(): a trainer may hold more than 1024 descriptors
+    poller.register(box.conn, select.POLLIN)
+    while not poller.poll(max(clock.deadline - time.monotonic(), 0) * 1000):
+        if not clock.extend():
+            raise TimeoutError
+    return transport.receive(box.conn, max(clock.deadline, time.monotonic() + 1.0), blocks=box.blocks)
 
 
 def _rebuild_exception(exc, details, path, elapsed, pid):

@@ -20,6 +20,15 @@ short read, or NULs where another node's write is not visible yet) are read agai
 the next look. A registry that cannot be written (disk full, read-only) is reported
 once and training goes on.
 
+What a file needs before it is recorded (the proof rule, see docs/never-silent.md): one
+failure of the file's kind (a decode error, a signal the decode raised, its memory cap,
+a timeout while its sandbox ran or waited on it), or two where the first was ambiguous
+(``MediaDecodeError.ambiguous``: a timeout the ceiling cut short while the CPU was
+starved); a process remembers its ambiguous failures until the second.
+The machine's failures are never recorded. ``swift-safe-media quarantine forget``
+appends a ``forgotten`` record, which drops what was recorded for that file version
+until then, in every reader.
+
 A registry made with :meth:`Registry.in_memory` keeps its records in this process only
 (no file, no log line of its own): LeRobot's adapter remembers so the files that failed
 in a worker, to substitute their later samples at once.
@@ -104,6 +113,8 @@ class Registry:
         self.registry_path = None if registry_path is None else os.fspath(registry_path)  # None: in memory
         self.folder = None if registry_path is None else writers_folder(self.registry_path)
         self._entries: dict[tuple, dict] = {}
+        self._forgotten: dict[tuple, str] = {}  # file version -> when it was forgotten (ISO time)
+        self._suspects: set[tuple] = set()  # failed once, ambiguously, in this process
         self._sources: dict[str, _Source] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -168,9 +179,21 @@ class Registry:
         try:
             entry = json.loads(line)
             key = (entry["path"], entry["size"], entry["mtime_ns"])
+            when = str(entry["time"])
         except (ValueError, KeyError, TypeError):
             return  # torn by a writer that died mid-line
-        self._entries[key] = entry
+        if entry.get("forgotten"):
+            self._forgotten[key] = max(when, self._forgotten.get(key, ""))
+            if key in self._entries and self._entries[key]["time"] <= self._forgotten[key]:
+                del self._entries[key]
+        elif when > self._forgotten.get(key, ""):
+            self._entries[key] = entry
+
+    def current(self) -> list[dict]:
+        """The records in force: one per file version, none that was forgotten."""
+        with self._lock:
+            self._refresh()
+            return list(self._entries.values())
 
     def lookup(self, path: str) -> dict | None:
         identity = self._identity(path)
@@ -197,33 +220,52 @@ class Registry:
             self._writer = (pid, os.path.join(self.folder, name))
         return self._writer[1]
 
-    def record(self, path: str, kind: str, reason: str, elapsed: float | None) -> None:
+    def record(self, path: str, kind: str, reason: str, elapsed: float | None, ambiguous: bool = False) -> None:
+        """Quarantine ``path`` after a failure of its own; an ``ambiguous`` one only if the
+        file failed (in this process) before."""
         identity = self._identity(path)
         if identity is None:
             return
+        if ambiguous and identity not in self._suspects:
+            self._suspects.add(identity)
+            if self.registry_path is not None:
+                log.warning("swift_safe_media: not quarantined yet: %s (%s: %s) proves nothing on its own; "
+                            "a second failure will", path, kind, reason)
+            return
+        if identity in self._suspects:
+            reason += " (its second failure)"
+        self._write(identity, {"kind": kind, "reason": reason, "elapsed": None if elapsed is None else round(elapsed, 3)})
+        if self.registry_path is not None and not self._write_failed:
+            log.warning("swift_safe_media: quarantined %s after %s %s (the file's fault): %s", path,
+                        "an" if kind[0] in "aeiou" else "a", kind, reason)
+
+    def forget(self, path: str) -> bool:
+        """Stop refusing the current version of ``path`` (False if it was not recorded)."""
+        identity = self._identity(path)
+        if identity is None or self.lookup(path) is None:
+            return False
+        self._suspects.discard(identity)
+        self._write(identity, {"forgotten": True})
+        return True
+
+    def _write(self, identity, fields: dict) -> None:
         real, size, mtime_ns = identity
-        entry = {"path": real, "size": size, "mtime_ns": mtime_ns, "kind": kind, "reason": reason,
-                 "elapsed": None if elapsed is None else round(elapsed, 3),
+        entry = {"path": real, "size": size, "mtime_ns": mtime_ns, **fields,
                  "host": socket.gethostname(), "rank": process.rank(), "pid": os.getpid(),
                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        if self.registry_path is None:
-            with self._lock:
-                self._entries[identity] = entry
-            return
         line = (json.dumps(entry, ensure_ascii=False) + "\n").encode()
-        try:
-            with self._write_lock:  # threads of this process share its file
-                self._append(line)
-        except OSError as exc:
-            if not self._write_failed:
-                self._write_failed = True
-                log.warning("swift_safe_media: cannot write the quarantine registry %s (%s); "
-                            "training goes on without recording", self.registry_path, exc)
-            return
+        if self.registry_path is not None:
+            try:
+                with self._write_lock:  # threads of this process share its file
+                    self._append(line)
+            except OSError as exc:  # the machine's fault: costs no sample, and records nothing
+                if not self._write_failed:
+                    self._write_failed = True
+                    log.warning("swift_safe_media: cannot write the quarantine registry %s (%s), a machine "
+                                "fault; training goes on without recording", self.registry_path, exc)
+                return
         with self._lock:
-            self._entries[(real, size, mtime_ns)] = entry
-        log.warning("swift_safe_media: quarantined %s after %s %s: %s", path,
-                    "an" if kind[0] in "aeiou" else "a", kind, reason)
+            self._add(line)
 
     def _append(self, line: bytes) -> None:
         """One ``write`` in O_APPEND mode to a file no other process writes: no lock needed."""

@@ -24,7 +24,7 @@ import threading
 import traceback
 import types
 
-from . import config, confine, errors, process, transport
+from . import config, confine, errors, faults, process, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -137,8 +137,11 @@ def _unsendable(result, exc: BaseException) -> errors.MediaDecodeError:
     described = type(result).__name__
     if size:
         described += f", {size / (1 << 20):.0f} MB of arrays" if size >= 1 << 20 else f", {size} bytes of arrays"
-    return errors.MediaDecodeError(None, f"the result ({described}) cannot be sent back to the caller: "
-                                         f"{errors.short_reason(exc)}")
+    error = errors.MediaDecodeError(None, f"the result ({described}) cannot be sent back to the caller: "
+                                          f"{errors.short_reason(exc)}")
+    if faults.is_machine_error(exc):  # the machine ran out of something (no space, too many files)
+        error.fault = errors.MACHINE
+    return error
 
 
 def run_each(fn, arguments):

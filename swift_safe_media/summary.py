@@ -5,7 +5,8 @@ own counters and writes them to ``stats-<pid>.json`` in the run's stats folder
 (``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers inherit): a failure
 at once, other counts at most once a second and at most a second late (while it holds
 some back, a ``pending-<pid>`` file says so, and a final summary waits for it). ``collect``
-merges them: decodes, timeouts, crashes, quarantined hits, other errors, latency
+merges them: decodes, timeouts, crashes, quarantined hits, other errors, machine faults
+(the file's failures apart from the machine's), latency
 p50/p99, the slowest files (each once: its worst time and how often it was decoded),
 and the step each rank's trainer reached.
 """
@@ -26,7 +27,10 @@ from .config import STATS_DIR, SUMMARY_STEPS  # noqa: F401 (their names, where c
 
 log = logging.getLogger("swift_safe_media")
 
-OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error")
+# "machine": a machine fault retried in a fresh sandbox; "machine_skipped": one that failed
+# its retries too, so the sample was skipped (neither is the file's, neither quarantines)
+OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error", "machine", "machine_skipped")
+FAILURES = ("timeout", "crash", "quarantined", "error", "machine", "machine_skipped")
 _SAMPLE_SIZE = 4096  # latencies kept per process (reservoir), enough for p99
 _SLOWEST = 10  # files listed in the summary
 # Files each process keeps for that list, by worst time: a bounded table, since a dataset
@@ -220,8 +224,10 @@ def format_summary(summary: dict, step=None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
 
     head = "swift_safe_media summary" + (f" at step {step}" if step is not None else "")
+    machine = summary.get("machine", 0) + summary.get("machine_skipped", 0)
     lines = [f"{head}: {summary['decodes']} decodes, {summary['ok']} ok, {summary['timeout']} timeouts, "
-             f"{summary['crash']} crashes, {summary['quarantined']} quarantined, {summary['error']} errors; "
+             f"{summary['crash']} crashes, {summary['quarantined']} quarantined, {summary['error']} errors, "
+             f"{machine} machine faults ({summary.get('machine_skipped', 0)} samples skipped); "
              f"latency p50 {seconds(summary['latency_p50_s'])}, p99 {seconds(summary['latency_p99_s'])}"
              + (f"; {summary['rows_failed']} rows failed" if summary.get("rows_failed") else "")]
     for entry in summary["slowest"][:5]:
@@ -231,9 +237,11 @@ def format_summary(summary: dict, step=None) -> str:
 
 
 def write_summary(path: str, step=None) -> dict:
-    """Log the merged summary and write it as JSON to ``path``."""
+    """Log the merged summary (INFO when nothing failed, else WARNING) and write it as
+    JSON to ``path``."""
     summary = collect()
-    log.warning(format_summary(summary, step))
+    failed = any(summary.get(outcome, 0) for outcome in FAILURES)
+    log.log(logging.WARNING if failed else logging.INFO, format_summary(summary, step))
     try:
         with open(path, "w") as out:
             json.dump(dict(summary, step=step), out, indent=2)

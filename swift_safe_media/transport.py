@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import io
 import itertools
 import mmap
@@ -109,13 +110,20 @@ def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int
         spans.append((size, view.nbytes))
         size += -(-view.nbytes // _ALIGN) * _ALIGN
     fd, owned, block_id = -1, False, 0
-    if buffers:
-        if arena is not None:
+    try:
+        if buffers and arena is not None:
             block = arena.lend(size)
             _copy_into(block.mapping, buffers, spans)
             fd, block_id = block.fd, block.id
-        else:
+        elif buffers:
             fd, owned = _fresh_memfd(buffers, spans, size), True
+    except OSError as exc:
+        if exc.errno not in (errno.EFBIG, errno.ENOSPC):
+            raise
+        # No shared memory to be had here (a file-size limit, `ulimit -f`, caps memfds too;
+        # a full tmpfs): the buffers go through the socket, in the pickle stream.
+        stream, spans, size = io.BytesIO(), [], 0
+        pickling.Pickler(stream, protocol=5).dump(obj)
     body = stream.getvalue()
     table = b"".join(_SPAN.pack(*span) for span in spans)
     return _HEADER.pack(kind, len(body), len(spans), size, block_id) + table + body, fd, owned

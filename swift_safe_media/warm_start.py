@@ -362,6 +362,12 @@ def _map_large_blocks(kib: int) -> None:
 def _forked_from_forkserver() -> None:
     global _in_forkserver
     _in_forkserver = False
+    try:
+        from . import worker_watchdog
+
+        worker_watchdog.watch_the_trainer()  # a forkserver killed from outside leaves its workers at work
+    except Exception:
+        pass
 
 
 def _threads() -> list[str]:

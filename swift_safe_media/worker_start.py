@@ -73,6 +73,14 @@ def _patch_dataloader(module) -> None:
             log.debug("swift_safe_media: worker start checks skipped", exc_info=True)
         with (warm_start.workers_see_current_environment(self, method),
               plain_workers.workers_bound_libraries(self, method)):
-            return stock_get_iterator(self)
+            try:
+                return stock_get_iterator(self)
+            except (EOFError, ConnectionError) as exc:
+                if method != warm_start.FORKSERVER:
+                    raise
+                # The forkserver was killed (a machine fault): multiprocessing starts a new one.
+                log.warning("swift_safe_media: the warm forkserver is gone (%r), a machine fault; starting "
+                            "the workers from a new one", exc)
+                return stock_get_iterator(self)
 
     DataLoader._get_iterator = _get_iterator

@@ -96,8 +96,10 @@ class Zygote:
         try:
             transport.send(self.control, transport.REQUEST, zygote_start.preparation(confined), deadline)
             self._read(READY.size, deadline)
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            # Killed (a signal: negative) or failed by itself (its imports: positive).
+            exc.zygote_exit = self.process.returncode
             raise
 
     @classmethod

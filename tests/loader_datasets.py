@@ -54,3 +54,16 @@ class HangingDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return call(sandboxed.hold_gil_on_locked_mutex, path=f"/data/item{index}.mp4", timeout=600)
+
+
+class SlowValidDataset(torch.utils.data.Dataset):
+    """Each item a decode of a valid clip that takes half a second in its sandbox."""
+
+    def __init__(self, clips):
+        self.clips = clips
+
+    def __len__(self):
+        return len(self.clips)
+
+    def __getitem__(self, index):
+        return call(sandboxed.sleep_then_return, 0.5, index, path=self.clips[index])

@@ -196,3 +196,11 @@ def slow_setup():
 
 def setups_run():
     return _setups_run
+
+
+def burn_cpu(seconds):
+    """Compute for ``seconds`` of CPU time (a decode that needs that much), then return it."""
+    started = time.process_time()
+    while time.process_time() - started < seconds:
+        pass
+    return time.process_time() - started

@@ -20,7 +20,7 @@ import random
 
 from .. import engine
 from ..budget import ErrorBudgetExceeded, process_budget
-from ..errors import MediaDecodeError
+from ..errors import FILE, MediaDecodeError
 from .lerobot_decode import failed_files
 
 log = logging.getLogger("swift_safe_media")
@@ -71,8 +71,9 @@ class _Failures:
 def _failed_path(exc: Exception) -> str | None:
     """The video a failure is pinned on, recorded as failed here; None: not a decode failure."""
     path = getattr(exc, VIDEO_ATTRIBUTE, None)
-    if path is not None and isinstance(exc, MediaDecodeError) and failed_files().lookup(path) is None:
-        failed_files().record(path, "error", describe(exc), exc.elapsed)
+    if path is not None and isinstance(exc, MediaDecodeError) and exc.fault == FILE \
+            and failed_files().lookup(path) is None:  # a machine fault is no reason to avoid the file
+        failed_files().record(path, "error", describe(exc), exc.elapsed, ambiguous=exc.ambiguous)
     return path
 
 

@@ -1,0 +1,48 @@
+"""The warm forkserver SIGKILLed from outside mid-epoch (issue 35):
+``python -m tests.programs.forkserver_killed`` prints one JSON object: what a DataLoader
+whose workers were forked from it gave for the epoch, and what a second DataLoader, whose
+workers come from a new forkserver, gave; each item a decode in a sandbox."""
+
+import json
+import os
+import signal
+import time
+
+import torch.utils.data
+
+import swift_safe_media
+from swift_safe_media import call
+
+
+def double(value):
+    return 2 * value
+
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, index):
+        time.sleep(0.2)  # the epoch is still running when the forkserver is killed
+        return call(double, index, path=f"/data/item{index}.mp4")
+
+
+def main() -> None:
+    swift_safe_media.enable()
+    from multiprocessing import forkserver
+
+    loaders = [torch.utils.data.DataLoader(Slow(), batch_size=None, num_workers=2, multiprocessing_context="forkserver")
+               for _ in range(2)]
+    first, killed = [], None
+    for index, item in enumerate(loaders[0]):
+        first.append(item)
+        if index == 2:
+            killed = forkserver._forkserver._forkserver_pid
+            os.kill(killed, signal.SIGKILL)
+    second = list(loaders[1])
+    print(json.dumps({"first": first, "second": second, "killed": killed,
+                      "new_forkserver": forkserver._forkserver._forkserver_pid}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
