@@ -9,8 +9,9 @@ real ``parse_args``. Rows: ``MEDIA/good.mp4`` or ``good.wav`` twice and a FIFO m
 (``stuck_<template>.*``; for GLM-4.5V, whose transformers loader refuses a FIFO, an HLS
 playlist whose segment is a FIFO) between them;
 ``LazyLLMDataset`` (not strict) takes another row where a decode fails, as in training.
-Each case runs the template's own decoding code: its ``encode`` where a tokenizer is all
-it needs, else the ``replace_tag`` that decodes (the rest needs the family's processor).
+Each case runs the template's own decoding code: its ``encode`` where a tokenizer (or, for
+GLM-4.5V, the real processor built around it) is all it needs, else the step that decodes
+(``replace_tag``, or MiDashengLM's ``load_batch``: the rest needs the family's remote processor).
 One JSON line per case: the batches drawn, and whether every good row's result equals
 stock's (the same code, this process, with nothing patched); the log names the FIFO. First,
 a template of the user's own that opens video with OpenCV is built: one warning names it.
