@@ -18,6 +18,8 @@ import logging
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -204,16 +206,54 @@ def test_templates_of_the_new_paths_encode_through_lazy_dataset_workers(corpus, 
     with audio), protected by ``--safe_media true``: every batch comes, each FIFO is named
     in the log and skipped, the good rows are stock's; of the templates built, only a
     user's own that opens video with OpenCV gets the coverage warning."""
-    shutil.copy(corpus["h264_aac_bframes.mp4"], tmp_path / "good.mp4")
-    shutil.copy(corpus["pcm_16k_stereo.wav"], tmp_path / "good.wav")
-    done = run_python(module="tests.programs.coverage_templates", args=[tmp_path, tmp_path], timeout=400,
-                      env=clean_environment(warm_start=True))
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [row["template"] for row in rows] == ["llama3_1_omni", "keye_vl", "minicpmo4_5"], done.stderr[-3000:]
-    for row in rows:
-        assert row["batches"] == 3 and row["all_equal_stock"], row
+    templates = ["llama3_1_omni", "keye_vl", "minicpmo4_5"]
+    done = run_templates(corpus, tmp_path, templates)
+    for row in template_rows(done, templates):
         suffix = ".wav" if row["template"] == "llama3_1_omni" else ".mp4"
         assert f"skipped {tmp_path}/stuck_{row['template']}{suffix}: decode overran" in done.stderr, row
+
+
+def run_templates(corpus, media, templates):
+    """``tests/programs/coverage_templates`` on those templates, a good clip of each kind in ``media``;
+    of the templates built, only the user's own that opens video with OpenCV gets the warning."""
+    shutil.copy(corpus["h264_aac_bframes.mp4"], media / "good.mp4")
+    shutil.copy(corpus["pcm_16k_stereo.wav"], media / "good.wav")
+    done = run_python(module="tests.programs.coverage_templates", args=[media, media, *templates], timeout=400,
+                      env=clean_environment(warm_start=True))
     warnings = [line for line in done.stderr.splitlines() if "protection does not bound" in line]
     assert len(warnings) == 1, warnings  # the user's own template only, once
     assert "UsersOwnVideoTemplate.replace_tag reaches cv2.VideoCapture" in warnings[0]
+    return done
+
+
+def template_rows(done, templates):
+    """Every batch came and every good row is stock's."""
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [row["template"] for row in rows] == templates, done.stderr[-3000:]
+    for row in rows:
+        assert row["batches"] == 3 and row["all_equal_stock"], row
+    return rows
+
+
+def test_transformers_load_video_and_load_audio_templates_through_lazy_dataset_workers(corpus, tmp_path):
+    """GLM-4.5V (ms-swift's ``load_video_hf``: transformers' ``load_video`` on the raw path, then
+    the real ``Glm4vProcessor``: the full ``encode``) and MiDashengLM (transformers'
+    ``load_audio`` through the template module's ``load_batch``; its processor is remote code),
+    protected: over clips that block stock for ever (checked here, unprotected, for a few
+    seconds), every batch comes, each bad clip is named and skipped, the good rows are stock's."""
+    templates = ["glm4_5v", "midashenglm"]
+    done = run_templates(corpus, tmp_path, templates)
+    template_rows(done, templates)
+    playlist, fifo = tmp_path / "stuck_glm4_5v.m3u8", tmp_path / "stuck_midashenglm.wav"
+    assert f"skipped {playlist}: HLS playlist refused" in done.stderr, done.stderr[-3000:]
+    assert f"skipped {fifo}: decode overran" in done.stderr, done.stderr[-3000:]
+    stock = {path: subprocess.Popen([sys.executable, "-c", f"import transformers.{module} as m\n"
+                                     f"print('calling', flush=True)\nm.{call}\nprint('returned')"],
+                                    stdout=subprocess.PIPE, text=True)
+             for path, module, call in [(playlist, "video_utils", f"load_video({str(playlist)!r})"),
+                                        (fifo, "audio_utils", f"load_audio({str(fifo)!r}, sampling_rate=16000)")]}
+    for path, process in stock.items():
+        with pytest.raises(subprocess.TimeoutExpired):  # stock blocks: the clip is what it claims to be
+            process.wait(timeout=15)
+        process.kill()
+        assert process.communicate()[0] == "calling\n", path  # blocked inside the call, not importing

@@ -1,14 +1,17 @@
 """ms-swift's templates of the decode paths issue 32 added, protected, through
 ``LazyLLMDataset`` in a DataLoader with two workers, over a clip that blocks stock for ever.
 
-``python -m tests.programs.coverage_templates OUT MEDIA`` builds each template of :data:`CASES`
+``python -m tests.programs.coverage_templates OUT MEDIA [TEMPLATE...]`` builds each template of
+:data:`CASES` and :data:`PLAYLIST_CASES` (or those named)
 (ms-swift's own class and meta over a small tokenizer, as ``model_templates`` does: no model
 of these families can be built offline) after ``--safe_media true`` went through ms-swift's
 real ``parse_args``. Rows: ``MEDIA/good.mp4`` or ``good.wav`` twice and a FIFO made here
-(``stuck_<template>.*``) between them;
+(``stuck_<template>.*``; for GLM-4.5V, whose transformers loader refuses a FIFO, an HLS
+playlist whose segment is a FIFO) between them;
 ``LazyLLMDataset`` (not strict) takes another row where a decode fails, as in training.
-Each case runs the template's own decoding code: its ``encode`` where a tokenizer is all
-it needs, else the ``replace_tag`` that decodes (the rest needs the family's processor).
+Each case runs the template's own decoding code: its ``encode`` where a tokenizer (or, for
+GLM-4.5V, the real processor built around it) is all it needs, else the step that decodes
+(``replace_tag``, or MiDashengLM's ``load_batch``: the rest needs the family's remote processor).
 One JSON line per case: the batches drawn, and whether every good row's result equals
 stock's (the same code, this process, with nothing patched); the log names the FIFO. First,
 a template of the user's own that opens video with OpenCV is built: one warning names it.
@@ -45,9 +48,44 @@ CASES = [
 SUFFIX = {"audio": ".wav", "video": ".mp4"}
 
 
+def glm4v_processor(tokenizer):
+    """GLM-4.1V and GLM-4.5V's real processor (its image and video processors need no download)."""
+    from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
+
+    return Glm4vProcessor(image_processor=Glm4vImageProcessor(), tokenizer=tokenizer,
+                          video_processor=Glm4vVideoProcessor(), chat_template=None)
+
+
+GLM4V_SPECIALS = ("<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+                  "<|end_of_video|>")
+# The paths whose transformers loader refuses a FIFO before opening it (as stock does): the
+# clip that blocks them for ever is an HLS playlist whose one segment is a FIFO.
+PLAYLIST_CASES = [
+    Case(Family("glm4_5v", "glm4v", StandIn, "video", GLM4V_SPECIALS, processor=glm4v_processor), "video",
+         "encode", "transformers.video_utils.load_video"),
+    # MiDashengLM's processor is the model's remote code (not buildable offline): its step is
+    # the decode its ``_encode`` runs before the processor, through the template module's own names.
+    Case(Family("midashenglm", "midashenglm", StandIn, "audio"), "audio", "load_batch",
+         "transformers.audio_utils.load_audio"),
+]
+
+
 def stuck(case: Case, media: str) -> str:
-    """The case's own FIFO (one per case: the registry refuses a path that failed before)."""
-    return os.path.join(media, f"stuck_{case.family.template_type}{SUFFIX[case.kind]}")
+    """The case's own FIFO, or playlist (one per case: the registry refuses a path that failed before)."""
+    suffix = ".m3u8" if case.family.template_type == "glm4_5v" else SUFFIX[case.kind]
+    return os.path.join(media, f"stuck_{case.family.template_type}{suffix}")
+
+
+def make_stuck(case: Case, media: str) -> None:
+    path = stuck(case, media)
+    if case not in PLAYLIST_CASES:
+        os.mkfifo(path)
+        return
+    segment = path + ".segment.ts"
+    os.mkfifo(segment)
+    with open(path, "w") as playlist:
+        playlist.write("#EXTM3U\n#EXT-X-VERSION:3\n#EXT-X-TARGETDURATION:10\n"
+                       f"#EXTINF:10.0,\n{os.path.basename(segment)}\n#EXT-X-ENDLIST\n")
 
 
 def rows(case: Case, media: str) -> list[dict]:
@@ -81,6 +119,14 @@ class Step:
     def __call__(self, row, **_encode_options):
         if self.case.step == "encode":
             return {"out": decoded(self.template.encode(row))}
+        if self.case.step == "load_batch":
+            from functools import partial
+
+            import transformers.audio_utils
+            from swift.template.templates import midashenglm
+
+            load = partial(transformers.audio_utils.load_audio, sampling_rate=self.template.sampling_rate)
+            return {"out": decoded(midashenglm.load_batch(row[f"{self.case.kind}s"], load))}
         from swift.template.template_inputs import TemplateInputs
 
         inputs = TemplateInputs.from_dict(row).chosen
@@ -135,17 +181,20 @@ def users_own_template():
     template_for(Family("users_own_video", "llama3_1_omni", StandIn, "video"), "/nonexistent")
 
 
-def main(out: str, media: str) -> None:
+def main(out: str, media: str, *only: str) -> None:
+    """``only``: the template types to run (all by default)."""
     # The registry a training run keeps under its output folder: ms-swift's own retries of a
     # row, and the other worker, are refused at once instead of waiting out the timeout again.
     args, _ = parse_args(TrainArgs, ["--safe_media", "true", "--safe_media_timeout", "10",
                                      "--safe_media_quarantine", os.path.join(out, "quarantine.jsonl")])
     os.environ["USE_AUDIO_IN_VIDEO"] = "true"  # MiniCPM-o: its video-with-audio path
     users_own_template()
-    for case in CASES:
-        os.mkfifo(stuck(case, media))
+    for case in CASES + PLAYLIST_CASES:
+        if only and case.family.template_type not in only:
+            continue
+        make_stuck(case, media)
         print(json.dumps(run(case, media, args.dataloader_multiprocessing_context)), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

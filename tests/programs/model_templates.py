@@ -103,6 +103,7 @@ class Family:
     media: str  # "image" or "video"
     specials: tuple = ()
     config: dict = dataclasses.field(default_factory=dict)
+    processor: object = None  # builds the family's processor around the small tokenizer, where it can be
 
 
 FAMILIES = [
@@ -155,6 +156,8 @@ def template_for(family: Family, model_dir: str):
     from swift.template import get_template
 
     processor = tokenizer(family.specials)
+    if family.processor is not None:
+        processor = family.processor(processor)
     config = PretrainedConfig(**family.config)
     processor.model_meta = MODEL_MAPPING[family.model_type]
     processor.model_info = ModelInfo(family.model_type, model_dir, torch.bfloat16, 4096, None, 0,
