@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass
 
 from .. import config
-from ..config import MAX_AUDIO_SECONDS, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
+from ..config import MAX_AUDIO_SECONDS, MAX_EXPANSION, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 from . import integrity
 from .sniff import HEAD_BYTES, adts_frame_length, container_of  # noqa: F401  (the guards' names)
@@ -26,11 +26,12 @@ class Limits:
     max_url_bytes: int = config.SETTINGS[MAX_URL_BYTES].default
     max_result_bytes: int = config.SETTINGS[MAX_RESULT_MB].default << 20
     max_inline_bytes: int = config.SETTINGS[MAX_INLINE_BYTES].default
+    max_expansion: int = config.SETTINGS[MAX_EXPANSION].default
 
     @classmethod
     def from_env(cls) -> "Limits":
         return cls(config.get(MAX_PIXELS), config.get(MAX_AUDIO_SECONDS), config.get(MAX_URL_BYTES),
-                   config.get(MAX_RESULT_MB) << 20, config.get(MAX_INLINE_BYTES))
+                   config.get(MAX_RESULT_MB) << 20, config.get(MAX_INLINE_BYTES), config.get(MAX_EXPANSION))
 
 
 def check_pixels(label, frames: int, height: int, width: int, limits: Limits) -> None:
@@ -46,6 +47,33 @@ def check_result_bytes(label, nbytes: int, what: str, limits: Limits) -> None:
     if nbytes > limits.max_result_bytes:
         raise MediaDecodeError(label, f"result size cap exceeded: {what} = {_megabytes(nbytes)} > "
                                       f"{_megabytes(limits.max_result_bytes)} ({MAX_RESULT_MB})")
+
+
+# Below this many decoded bytes the expansion is never checked: a short clip or a second
+# of sound may decode to any multiple of its few kilobytes.
+EXPANSION_FLOOR_BYTES = 256 << 20
+
+
+def check_expansion(label, nbytes: float, what: str, input_bytes: int | None, limits: Limits) -> None:
+    """Refuse a decompression bomb: `nbytes` decoded (RGB frames, float32 samples at the
+    native rate) from an input of `input_bytes`, over ``max_expansion`` times its size.
+    Checked from the header, before decoding, in the sandbox."""
+    if not limits.max_expansion or not input_bytes or nbytes <= EXPANSION_FLOOR_BYTES:
+        return
+    if nbytes > limits.max_expansion * input_bytes:
+        raise MediaDecodeError(label, f"decompression cap exceeded: {what} = {_megabytes(nbytes)} from a "
+                                      f"{input_bytes / 1024:.0f} KB file, {nbytes / input_bytes:.0f} times its size "
+                                      f"> {limits.max_expansion} ({MAX_EXPANSION})")
+
+
+def input_size(data) -> int | None:
+    """Bytes of a materialized input (a guarded path, or bytes)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return len(data)
+    try:
+        return os.stat(data).st_size
+    except (OSError, TypeError):
+        return None
 
 
 def _megabytes(nbytes: int) -> str:
