@@ -21,7 +21,10 @@ from . import audio_pyav, demuxers, families, guards, inputs
 _SHORT_BY_SECONDS = 0.001
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
-_SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
+# As librosa and ms-swift's soundfile_pyav, libsndfile is tried first on everything it
+# may read (SPHERE, AU, VOC, W64 and CAF too); what it refuses goes on to FFmpeg.
+_SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff", "nistsphere", "amr/au/wavpack/ape", "voc",
+                         "w64", "caf"}
 
 
 def _read_soundfile(label, data, limits, offset, duration):
@@ -184,16 +187,24 @@ def decode(label, data, limits, offset=0.0, duration=None, rule=families.COMMAND
     """(float32 samples at the native rate, native rate, decoded by soundfile?). `rule`:
     which audio stream of a container with several (``families.pick_audio``): librosa's
     audioread pipe takes what the ffmpeg command line maps, PyAV's users the first."""
-    if _container(data) in _SOUNDFILE_CONTAINERS:
+    kind = _container(data)
+    if kind in _SOUNDFILE_CONTAINERS:
         result = _read_soundfile(label, data, limits, offset, duration)
         if result is not None:
             return (*result, True)
+    if kind in demuxers.PYAV_ONLY:  # headerless (raw G.722): only PyAV can be told its demuxer
+        if not audio_pyav.available():
+            raise MediaDecodeError(label, f"raw {kind} is read with PyAV, which is not installed (pip install av)")
+        y, native_sr = audio_pyav.decode_float(label, data, limits, offset, duration, None)
+        return (y[0] if y.shape[0] == 1 else y), native_sr, False
     return (*_read_torchcodec(label, data, limits, offset, duration, rule), False)
 
 
 def _container(data) -> str | None:
-    """What container `data` (bytes or a guarded path) starts."""
-    return guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
+    """What container `data` (bytes or a guarded path) starts, or its name says it holds."""
+    if isinstance(data, bytes):
+        return guards.container_of(data[:guards.HEAD_BYTES])
+    return guards.container_of(_head(data)) or guards.raw_by_name(data)
 
 
 def _head(path: str) -> bytes:

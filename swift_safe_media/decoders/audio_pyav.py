@@ -66,13 +66,14 @@ def decode_like_stock(label, data, limits: guards.Limits, sr, mono: bool):
         resampling = not math.isclose(float(target_sr), float(native_sr), rel_tol=0.0, abs_tol=1e-6)
         resampler = av.AudioResampler(format="fltp", layout="mono", rate=target_sr) if resampling else None
         as_float = None if resampling else av.AudioResampler(format="fltp")
-        chunks, held = [], 0
+        chunks, held, size = [], 0, guards.input_size(data)
         try:
             for frame in container.decode(stream):
                 for out in (resampler or as_float).resample(frame):
                     chunks.append(out.to_ndarray())
                     held += out.samples
                 guards.check_audio_seconds(label, held / (target_sr if resampling else native_sr), limits)
+                _check_expansion(label, held * (1 if resampling else stream.channels), size, limits)
             if as_float is not None:
                 chunks.extend(out.to_ndarray() for out in as_float.resample(None))
         except MediaDecodeError:
@@ -85,6 +86,11 @@ def decode_like_stock(label, data, limits: guards.Limits, sr, mono: bool):
     if mono and y.ndim > 1:
         y = np.mean(y, axis=0)
     return np.ascontiguousarray(y, dtype=np.float32), target_sr
+
+
+def _check_expansion(label, samples: int, input_bytes, limits: guards.Limits) -> None:
+    """``guards.check_expansion`` on the float32 samples decoded so far (all channels)."""
+    guards.check_expansion(label, samples * 4, "audio samples as float32", input_bytes, limits)
 
 
 def decode_float(label, data, limits: guards.Limits, offset: float, duration, stream_index: int | None):
@@ -102,7 +108,7 @@ def decode_float(label, data, limits: guards.Limits, offset: float, duration, st
         to_float = av.AudioResampler(format="fltp")
         stop = None if duration is None else offset + duration
         cap = offset + limits.max_audio_seconds if stop is None else min(stop, offset + limits.max_audio_seconds)
-        chunks, held, errors, last_error = [], 0, 0, None
+        chunks, held, errors, last_error, size = [], 0, 0, None, guards.input_size(data)
         try:
             for packet in container.demux(stream):
                 # As the ffmpeg command line (what librosa's audioread pipe runs) does, a
@@ -116,6 +122,7 @@ def decode_float(label, data, limits: guards.Limits, offset: float, duration, st
                     for out in to_float.resample(frame):
                         chunks.append(out.to_ndarray())
                         held += out.samples
+                _check_expansion(label, held * stream.channels, size, limits)
                 if held / native_sr > cap + 1.0:
                     break
             chunks.extend(out.to_ndarray() for out in to_float.resample(None))

@@ -61,7 +61,16 @@ ALLOWED = {
     "musepack": ("mpc", "mpc8"),
     "amr/au/wavpack/ape": ("amr", "au", "wv", "ape"),
     "swf": ("swf",),
+    "gif": ("gif",),  # never gif_pipe (image2pipe's family) or image2
+    "nistsphere": ("nistsphere",),
+    "qcp": ("qcp",),
+    "tta": ("tta",),
+    # Headerless: FFmpeg's probe finds nothing and never picks it; chosen by the name
+    # (``guards.raw_by_name``) and read by PyAV only, its demuxer named (``open_pyav``).
+    "g722": (),
 }
+# Kinds only PyAV reads (it can be told the demuxer; torchcodec cannot).
+PYAV_ONLY = {"g722"}
 
 # What PyAV is told to use (format=...) for a container of one demuxer: FFmpeg's short
 # names. Kinds with several allowed demuxers (an elementary stream, a tagged MP3 or AAC)
@@ -70,7 +79,7 @@ PYAV_FORMAT = {
     "mp4/mov": "mov", "matroska/webm": "matroska", "wav": "wav", "w64": "w64", "avi": "avi", "flac": "flac",
     "ogg": "ogg", "mp3": "mp3", "aac": "aac", "aiff": "aiff", "caf": "caf", "asf/wmv": "asf", "flv": "flv",
     "mpeg-ps": "mpeg", "mpeg-ts": "mpegts", "ivf": "ivf", "y4m": "yuv4mpegpipe", "nut": "nut", "voc": "voc",
-    "swf": "swf",
+    "swf": "swf", "gif": "gif", "nistsphere": "nistsphere", "qcp": "qcp", "tta": "tta", "g722": "g722",
 }
 
 # FFmpeg's av_probe_input_buffer2: buffers from 2 KiB doubling to 1 MiB; a demuxer is
@@ -144,7 +153,7 @@ def check(label, head: bytes, size: int) -> int:
 
 def _check(label, head: bytes, size: int) -> tuple[int, str]:
     """``check``, also returning the demuxer FFmpeg's probe picked."""
-    kind = guards.container_of(head[:guards.HEAD_BYTES])
+    kind = guards.container_of(head)
     allowed = ALLOWED.get(kind, ())
     try:
         picked, probed = _probe(head, size)
@@ -241,6 +250,9 @@ def for_torchcodec(label, data):
         return data
     handle, snapshot, size = _open_path(label, data)
     try:
+        kind = guards.raw_by_name(data)
+        if kind in PYAV_ONLY and guards.container_of(snapshot[:guards.HEAD_BYTES]) is None:
+            raise MediaDecodeError(label, f"raw {kind} (known by its name only): torchcodec cannot be told its demuxer")
         handle.keep_snapshot(check(label, snapshot, size))
     except BaseException:
         handle.close()
@@ -268,7 +280,7 @@ def open_pyav(label, data, **kwargs):
     else:
         handle, snapshot, size = _open_path(label, data)
         try:
-            kind = guards.check_head(label, snapshot[:guards.HEAD_BYTES], size)
+            kind = guards.check_head(label, snapshot, size, data)
             handle.keep_snapshot(0)  # the demuxer is named: nothing is probed
         except BaseException:
             handle.close()

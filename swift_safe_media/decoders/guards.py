@@ -15,7 +15,7 @@ from .. import config
 from ..config import MAX_AUDIO_SECONDS, MAX_EXPANSION, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 from . import integrity
-from .sniff import HEAD_BYTES, adts_frame_length, container_of  # noqa: F401  (the guards' names)
+from .sniff import HEAD_BYTES, RAW_BY_EXTENSION, SCAN_BYTES, adts_frame_length, container_of  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -100,18 +100,28 @@ _INDIRECTIONS = (
 )
 
 
-def check_head(label, head: bytes, size: int) -> str:
-    """Raise unless `head` (the first bytes of a `size`-byte input) starts a media container."""
+def check_head(label, head: bytes, size: int, name: str | None = None) -> str:
+    """Raise unless `head` (the first bytes of a `size`-byte input: ``HEAD_BYTES``, or up
+    to ``SCAN_BYTES`` to find audio frames behind junk) starts a media container. A
+    headerless format FFmpeg knows by its file name only (raw G.722) is taken by `name`'s
+    extension, and only where the bytes start nothing else."""
     if size == 0:
         raise MediaDecodeError(label, "zero-byte file")
     stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     for magic, reason in _INDIRECTIONS:
         if stripped[:len(magic)].lower() == magic.lower():
             raise MediaDecodeError(label, reason)
-    kind = container_of(head)
+    # The name's headerless format before frames looked for behind junk: G.722's bytes
+    # are anything, MPEG audio frames now and then among them.
+    kind = container_of(head[:HEAD_BYTES]) or raw_by_name(name) or container_of(head)
     if kind is None:
         raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
     return kind
+
+
+def raw_by_name(name) -> str | None:
+    """The headerless format (``RAW_BY_EXTENSION``) a local file's name says it holds."""
+    return RAW_BY_EXTENSION.get(os.path.splitext(name)[1].lower()) if isinstance(name, str) else None
 
 
 def _second_frame_synced(kind: str, head: bytes, read_at, size: int) -> bool:
@@ -156,7 +166,9 @@ def check_file(label, path: str) -> str:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise MediaDecodeError(label, "not a regular file")
         head = os.pread(fd, HEAD_BYTES, 0)
-        kind = check_head(label, head, info.st_size)
+        if container_of(head) is None and info.st_size > HEAD_BYTES:  # audio frames behind junk?
+            head = os.pread(fd, SCAN_BYTES, 0)
+        kind = check_head(label, head, info.st_size, path)
         if not _second_frame_synced(kind, head, lambda off, n: os.pread(fd, n, off), info.st_size):
             raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
         integrity.check_complete(label, kind, integrity.Reader(fd=fd, size=info.st_size))
@@ -166,7 +178,7 @@ def check_file(label, path: str) -> str:
 
 
 def check_bytes(label, data: bytes) -> str:
-    kind = check_head(label, data[:HEAD_BYTES], len(data))
+    kind = check_head(label, data[:SCAN_BYTES], len(data))
     if not _second_frame_synced(kind, data[:HEAD_BYTES], lambda off, n: data[off:off + n], len(data)):
         raise MediaDecodeError(label, f"not a known media container (first bytes {data[:12]!r})")
     integrity.check_complete(label, kind, integrity.Reader(data=data))
