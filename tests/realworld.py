@@ -31,7 +31,9 @@ SHIPPED_AUDIO = ["test-44100Hz-be-1ch-4bytes.wav", "test-44100Hz-2ch-32bit-float
                  "test-1234Hz-le-1ch-10S-20bit-extra.wav", "test-44100Hz-le-1ch-4bytes-early-eof.wav",
                  "bell.oga", "silence-44-s-mpeg25.mp3", "lame.mp3", "alac.m4a", "example.opus", "silence-44-s.ac3",
                  "silence-44-s.wv", "silence-1.wma", "11k-1ch-2s-silence.aif", "variable-block.flac", "click.mpc",
-                 "sine_mono_mp3.swf"]
+                 "sine_mono_mp3.swf", "silence-3.wma", "silence-44-s.tak", "silence-44-s.eac3", "multiplexed.spx",
+                 "silence-2s-PCM-16000-08-ID3v23.wav", "no-tags.3g2", "with-id3.aif", "5644800-2ch-s01-silence.dsf",
+                 "mac-399.ape"]
 
 _SRC = ["-f", "lavfi", "-i", "testsrc2=size=160x96:rate=25:duration=1.2"]
 _X264 = ["-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p"]
@@ -101,9 +103,34 @@ SYNTHESIZED.update({
                       [*_QCIF, "-i", "{dir}/_cover.jpg", "-map", "0", "-map", "1", "-c:v:0", "libx264", "-pix_fmt",
                        "yuv420p", "-c:v:1", "mjpeg", "-disposition:v:1", "attached_pic", "{out}"]],
 })
+# The formats issue 34 names, as ffmpeg writes them (speech at 16 kHz, as corpora ship it).
+_SPEECH = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=16000:duration=1.5"]
+_LONG = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=44100:duration=20"]
+SYNTHESIZED_SPEECH = {
+    # ALAC in Matroska, 41 kHz stereo: torchcodec drops the first frame.
+    "alac.mka": [["-f", "lavfi", "-i", "aevalsrc=0.3*sin(2*PI*440*t)|0.3*sin(2*PI*660*t):s=41000:d=4.8",
+                  "-c:a", "alac", "{out}"]],
+    "gsm_610.wav": [["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=8000:duration=1.5", "-c:a", "libgsm_ms",
+                     "{out}"]],
+    "speex.spx": [[*_SPEECH, "-c:a", "libspeex", "{out}"]],
+    "raw.g722": [[*_SPEECH, "-c:a", "g722", "-f", "g722", "{out}"]],
+    "bext_first.bwf": [[*_SPEECH, "-write_bext", "1", "-f", "wav", "{out}"]],
+    "id3_tagged.aac": [[*_SPEECH, "-c:a", "aac", "-f", "adts", "-write_id3v2", "1", "-metadata", "title=x", "{out}"]],
+    "speech.voc": [[*_SPEECH, "-f", "voc", "{out}"]],
+    "speech.au": [[*_SPEECH, "-f", "au", "{out}"]],
+    "speech.tta": [[*_SPEECH, "-f", "tta", "{out}"]],
+    # 100 kB of junk, then 20 s of MP3 / ADTS (``_junk_before``).
+    "junk_then.mp3": [[*_LONG, "-c:a", "libmp3lame", "{dir}/_long.mp3"]],
+    "junk_then.aac": [[*_LONG, "-c:a", "aac", "-f", "adts", "{dir}/_long.aac"]],
+}
+SYNTHESIZED.update(SYNTHESIZED_SPEECH)
+SYNTHESIZED["animated.gif"] = [["-f", "lavfi", "-i", "testsrc2=size=96x64:rate=10:duration=1.2", "-f", "gif",
+                                "{out}"]]
 SYNTHESIZED_VIDEO = [name for name in SYNTHESIZED if name not in ("two_audio_tracks.mp4", "wav_16ch.wav",
-                                                                   "flac_192k.flac")]
-SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr"]
+                                                                   "flac_192k.flac", *SYNTHESIZED_SPEECH)]
+SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr", *SYNTHESIZED_SPEECH,
+                     "amr_wb.awb", "speech.sph"]
+
 
 
 def _write_amr(path: Path) -> None:
@@ -118,21 +145,52 @@ def _write_amr(path: Path) -> None:
                                             for _ in range(100)))
 
 
+def _write_amr_wb(path: Path) -> None:
+    """AMR-WB in its storage format ("#!AMR-WB\n", then 12.65 kbit/s frames: a header byte
+    and 32 bytes), as ``_write_amr``: FFmpeg has no AMR-WB encoder here."""
+    import random
+
+    rng = random.Random(34)
+    path.write_bytes(b"#!AMR-WB\n" + b"".join(b"\x14" + bytes(rng.getrandbits(8) & 0x0F for _ in range(32))
+                                               for _ in range(75)))
+
+
+def _write_sphere(path: Path) -> None:
+    """NIST SPHERE as speech corpora (TIMIT, Switchboard) ship it: the 1024-byte header the
+    spec defines, then 16-bit PCM. ffmpeg has no SPHERE muxer."""
+    pcm = subprocess.run([FFMPEG, "-nostdin", "-v", "error", *_SPEECH, "-f", "s16le", "-"], check=True,
+                         capture_output=True, timeout=60).stdout
+    header = (f"NIST_1A\n   1024\nsample_count -i {len(pcm) // 2}\nsample_rate -i 16000\nchannel_count -i 1\n"
+              "sample_n_bytes -i 2\nsample_byte_format -s2 01\nsample_coding -s3 pcm\nend_head\n").encode()
+    path.write_bytes(header.ljust(1024, b" ") + pcm)
+
+
+def junk(length: int = 100 * 1024) -> bytes:
+    """Seeded bytes without 0xFF: nothing an MPEG audio or ADTS sync could start."""
+    import random
+
+    return bytes(b if b != 0xFF else 0x7F for b in random.Random(34).randbytes(length))
+
+
 def synthesize(directory) -> dict[str, str]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _write_amr(directory / "amr_nb.amr")
+    _write_amr_wb(directory / "amr_wb.awb")
+    _write_sphere(directory / "speech.sph")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import paff
 
     (directory / "_fields.264").write_bytes(paff.paff())
-    made = {"amr_nb.amr": str(directory / "amr_nb.amr")}
+    made = {name: str(directory / name) for name in ("amr_nb.amr", "amr_wb.awb", "speech.sph")}
     for name, steps in SYNTHESIZED.items():
         out = directory / name
         for args in steps:
             args = [a.replace("{out}", str(out)).replace("{dir}", str(directory)) for a in args]
             subprocess.run([FFMPEG, "-nostdin", "-hide_banner", "-loglevel", "error", "-y", *args], check=True,
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        if name.startswith("junk_then."):  # ffmpeg wrote the stream beside it: junk first
+            out.write_bytes(junk() + (directory / f"_long{out.suffix}").read_bytes())
         made[name] = str(out)
     return made
 

@@ -65,6 +65,8 @@ ALLOWED = {
     "nistsphere": ("nistsphere",),
     "qcp": ("qcp",),
     "tta": ("tta",),
+    "tak": ("tak",),
+    "dsf": ("dsf",),
     # Headerless: FFmpeg's probe finds nothing and never picks it; chosen by the name
     # (``guards.raw_by_name``) and read by PyAV only, its demuxer named (``open_pyav``).
     "g722": (),
@@ -79,7 +81,8 @@ PYAV_FORMAT = {
     "mp4/mov": "mov", "matroska/webm": "matroska", "wav": "wav", "w64": "w64", "avi": "avi", "flac": "flac",
     "ogg": "ogg", "mp3": "mp3", "aac": "aac", "aiff": "aiff", "caf": "caf", "asf/wmv": "asf", "flv": "flv",
     "mpeg-ps": "mpeg", "mpeg-ts": "mpegts", "ivf": "ivf", "y4m": "yuv4mpegpipe", "nut": "nut", "voc": "voc",
-    "swf": "swf", "gif": "gif", "nistsphere": "nistsphere", "qcp": "qcp", "tta": "tta", "g722": "g722",
+    "swf": "swf", "gif": "gif", "nistsphere": "nistsphere", "qcp": "qcp", "tta": "tta", "tak": "tak", "dsf": "dsf",
+    "g722": "g722",
 }
 
 # FFmpeg's av_probe_input_buffer2: buffers from 2 KiB doubling to 1 MiB; a demuxer is

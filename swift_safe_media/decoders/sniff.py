@@ -52,6 +52,8 @@ _MAGIC = (
     (b"GIF89a", "gif"),
     (b"NIST_1A\n", "nistsphere"),  # NIST SPHERE: TIMIT, Switchboard, other LDC speech corpora
     (b"TTA1", "tta"),  # True Audio
+    (b"tBaK", "tak"),  # Tom's lossless Audio Kompressor
+    (b"DSD \x1c\x00\x00\x00\x00\x00\x00\x00", "dsf"),  # Sony DSD stream file: its 28-byte DSD chunk
     (b"FWS", "swf"),  # Flash: MP3 or FLV1 in SWF tags (torchcodec's own test assets have one)
     (b"CWS", "swf"),  # the same, zlib-compressed; FFmpeg's demuxer reads both
 )
