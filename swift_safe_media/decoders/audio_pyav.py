@@ -66,14 +66,15 @@ def decode_like_stock(label, data, limits: guards.Limits, sr, mono: bool):
         resampling = not math.isclose(float(target_sr), float(native_sr), rel_tol=0.0, abs_tol=1e-6)
         resampler = av.AudioResampler(format="fltp", layout="mono", rate=target_sr) if resampling else None
         as_float = None if resampling else av.AudioResampler(format="fltp")
-        chunks, held, size = [], 0, guards.input_size(data)
+        chunks, held, decoded, size = [], 0, 0, guards.input_size(data)
         try:
             for frame in container.decode(stream):
+                decoded += frame.samples  # at the native rate, what the decompression cap counts
+                _check_expansion(label, decoded * stream.channels, size, limits)
                 for out in (resampler or as_float).resample(frame):
                     chunks.append(out.to_ndarray())
                     held += out.samples
                 guards.check_audio_seconds(label, held / (target_sr if resampling else native_sr), limits)
-                _check_expansion(label, held * (1 if resampling else stream.channels), size, limits)
             if as_float is not None:
                 chunks.extend(out.to_ndarray() for out in as_float.resample(None))
         except MediaDecodeError:

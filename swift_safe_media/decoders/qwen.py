@@ -194,6 +194,7 @@ def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing,
     return resized, info, indices, total
 
 
+@typed_entry
 def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_video_metadata):
     # A video given as a list of images: stock code, run in the sandbox (no video decoder involved).
     from qwen_vl_utils import fetch_video as stock_fetch_video
