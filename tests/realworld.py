@@ -129,7 +129,7 @@ SYNTHESIZED["animated.gif"] = [["-f", "lavfi", "-i", "testsrc2=size=96x64:rate=1
 SYNTHESIZED_VIDEO = [name for name in SYNTHESIZED if name not in ("two_audio_tracks.mp4", "wav_16ch.wav",
                                                                    "flac_192k.flac", *SYNTHESIZED_SPEECH)]
 SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr", *SYNTHESIZED_SPEECH,
-                     "amr_wb.awb", "speech.sph"]
+                     "amr_wb.awb", "speech.sph", "voice_memo.qcp"]
 
 
 
@@ -155,14 +155,41 @@ def _write_amr_wb(path: Path) -> None:
                                                for _ in range(75)))
 
 
-def _write_sphere(path: Path) -> None:
-    """NIST SPHERE as speech corpora (TIMIT, Switchboard) ship it: the 1024-byte header the
-    spec defines, then 16-bit PCM. ffmpeg has no SPHERE muxer."""
-    pcm = subprocess.run([FFMPEG, "-nostdin", "-v", "error", *_SPEECH, "-f", "s16le", "-"], check=True,
-                         capture_output=True, timeout=60).stdout
-    header = (f"NIST_1A\n   1024\nsample_count -i {len(pcm) // 2}\nsample_rate -i 16000\nchannel_count -i 1\n"
+def sphere(pcm: bytes, rate: int = 16000) -> bytes:
+    """NIST SPHERE as speech corpora (TIMIT, Switchboard) ship it: the 1024-byte text header
+    of typed fields the spec defines, then 16-bit little-endian PCM. ffmpeg has no muxer."""
+    header = (f"NIST_1A\n   1024\nsample_count -i {len(pcm) // 2}\nsample_rate -i {rate}\nchannel_count -i 1\n"
               "sample_n_bytes -i 2\nsample_byte_format -s2 01\nsample_coding -s3 pcm\nend_head\n").encode()
-    path.write_bytes(header.ljust(1024, b" ") + pcm)
+    return header.ljust(1024, b" ") + pcm
+
+
+def qcp(packets: bytes = b"") -> bytes:
+    """Qualcomm PureVoice (phone voice memos): RIFF 'QLCM', the 150-byte fmt chunk naming
+    QCELP-13K by GUID (RFC 3625), a vrat chunk, then the packets. ffmpeg has no muxer."""
+    import struct
+    import uuid
+
+    guid = uuid.UUID("5e7f6d41-b115-11d0-ba91-00805fb4b97e").bytes_le
+    rates = bytes([34, 4, 16, 3, 7, 2, 3, 1, 0, 0]).ljust(16, b"\0")  # (packet size, rate) pairs
+    fmt = struct.pack("<BB16sH80sHHHHHI16s20s", 1, 0, guid, 1, b"Qcelp 13K".ljust(80, b"\0"), 14000, 35, 160,
+                      8000, 16, 5, rates, bytes(20))
+    body = b"QLCM" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"vrat" + struct.pack("<III", 8, 1, 0) + \
+        b"data" + struct.pack("<I", len(packets)) + packets
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def _write_sphere(path: Path) -> None:
+    path.write_bytes(sphere(subprocess.run([FFMPEG, "-nostdin", "-v", "error", *_SPEECH, "-f", "s16le", "-"],
+                                           check=True, capture_output=True, timeout=60).stdout))
+
+
+def _write_qcp(path: Path) -> None:
+    """Two seconds of full-rate QCELP packets (a rate byte, 34 bytes of seeded low bits, as
+    ``_write_amr``): FFmpeg has no QCELP encoder, its decoder decodes any bits."""
+    import random
+
+    rng = random.Random(5)
+    path.write_bytes(qcp(b"".join(b"\x04" + bytes(rng.getrandbits(8) & 0x0F for _ in range(34)) for _ in range(100))))
 
 
 def junk(length: int = 100 * 1024) -> bytes:
@@ -178,11 +205,12 @@ def synthesize(directory) -> dict[str, str]:
     _write_amr(directory / "amr_nb.amr")
     _write_amr_wb(directory / "amr_wb.awb")
     _write_sphere(directory / "speech.sph")
+    _write_qcp(directory / "voice_memo.qcp")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import paff
 
     (directory / "_fields.264").write_bytes(paff.paff())
-    made = {name: str(directory / name) for name in ("amr_nb.amr", "amr_wb.awb", "speech.sph")}
+    made = {name: str(directory / name) for name in ("amr_nb.amr", "amr_wb.awb", "speech.sph", "voice_memo.qcp")}
     for name, steps in SYNTHESIZED.items():
         out = directory / name
         for args in steps:

@@ -10,6 +10,7 @@ import pytest
 
 from swift_safe_media.decoders import demuxers, guards, sniff
 from swift_safe_media.errors import MediaDecodeError
+from tests.realworld import junk, qcp, sphere
 
 SRC = ["-f", "lavfi", "-i", "testsrc2=size=64x48:rate=25:duration=0.4"]
 TONE = ["-f", "lavfi", "-i", "sine=sample_rate=48000:duration=0.3"]
@@ -104,35 +105,6 @@ TRAINED_ON = {
 LONG_TONE = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=44100:duration=20"]
 
 
-def junk(length: int = 100 * 1024) -> bytes:
-    """Seeded bytes with no 0xFF in them: nothing an MPEG audio or ADTS sync could start."""
-    import random
-
-    return bytes(b if b != 0xFF else 0x7F for b in random.Random(34).randbytes(length))
-
-
-def sphere(samples: bytes, rate: int = 16000) -> bytes:
-    """A NIST SPHERE file as the spec (and LDC's corpora) lay it out: a 1024-byte text
-    header of typed fields, then 16-bit little-endian PCM."""
-    fields = (f"NIST_1A\n   1024\nsample_count -i {len(samples) // 2}\nsample_rate -i {rate}\nchannel_count -i 1\n"
-              "sample_n_bytes -i 2\nsample_byte_format -s2 01\nsample_coding -s3 pcm\nend_head\n").encode()
-    return fields.ljust(1024, b" ") + samples
-
-
-def qcp_header() -> bytes:
-    """The start of a Qualcomm PureVoice file: RIFF 'QLCM', its 150-byte fmt chunk naming
-    QCELP-13K by GUID (RFC 3625), and an empty data chunk."""
-    import struct
-    import uuid
-
-    guid = uuid.UUID("5e7f6d41-b115-11d0-ba91-00805fb4b97e").bytes_le
-    fmt = struct.pack("<BB16sH80sHHHHHI16s20s", 1, 0, guid, 1, b"Qcelp 13K".ljust(80, b"\0"), 14000, 35, 160,
-                      8000, 16, 5, bytes([34, 4, 16, 3, 7, 2, 3, 1, 0, 0]).ljust(16, b"\0"), bytes(20))
-    body = b"QLCM" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"vrat" + struct.pack("<III", 8, 1, 0) + \
-        b"data" + struct.pack("<I", 0)
-    return b"RIFF" + struct.pack("<I", len(body)) + body
-
-
 def ffprobe_format(path) -> str:
     """The demuxer the ffmpeg command line picks for `path` (its name and bytes)."""
     out = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=format_name", "-of", "csv=p=0",
@@ -181,7 +153,7 @@ def test_every_pinned_demuxer_is_the_one_the_command_line_picks(tmp_path, name):
 
 def test_qcp_is_sniffed_and_ffmpeg_agrees(tmp_path):
     path = tmp_path / "memo.qcp"
-    path.write_bytes(qcp_header())
+    path.write_bytes(qcp())  # its header: what the sniffer and FFmpeg's probe read
     assert guards.check_file(str(path), str(path)) == "qcp"
     data = path.read_bytes()
     assert demuxers.probe(data, len(data)) == "qcp" == ffprobe_format(path)
