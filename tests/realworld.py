@@ -115,6 +115,8 @@ SYNTHESIZED_SPEECH = {
     "speex.spx": [[*_SPEECH, "-c:a", "libspeex", "{out}"]],
     "raw.g722": [[*_SPEECH, "-c:a", "g722", "-f", "g722", "{out}"]],
     "bext_first.bwf": [[*_SPEECH, "-write_bext", "1", "-f", "wav", "{out}"]],
+    # The same, its data size left at 0 by a recorder that never came back to it (``_unsized``).
+    "bext_unsized.bwf": [[*_SPEECH, "-write_bext", "1", "-f", "wav", "{out}"]],
     "id3_tagged.aac": [[*_SPEECH, "-c:a", "aac", "-f", "adts", "-write_id3v2", "1", "-metadata", "title=x", "{out}"]],
     "speech.voc": [[*_SPEECH, "-f", "voc", "{out}"]],
     "speech.au": [[*_SPEECH, "-f", "au", "{out}"]],
@@ -192,6 +194,14 @@ def _write_qcp(path: Path) -> None:
     path.write_bytes(qcp(b"".join(b"\x04" + bytes(rng.getrandbits(8) & 0x0F for _ in range(34)) for _ in range(100))))
 
 
+def _unsized(path: Path) -> None:
+    """Zero the WAV's data chunk size, as a recorder that never came back to it leaves it."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"data")
+    data[at + 4:at + 8] = bytes(4)
+    path.write_bytes(bytes(data))
+
+
 def junk(length: int = 100 * 1024) -> bytes:
     """Seeded bytes without 0xFF: nothing an MPEG audio or ADTS sync could start."""
     import random
@@ -219,6 +229,8 @@ def synthesize(directory) -> dict[str, str]:
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
         if name.startswith("junk_then."):  # ffmpeg wrote the stream beside it: junk first
             out.write_bytes(junk() + (directory / f"_long{out.suffix}").read_bytes())
+        if name == "bext_unsized.bwf":
+            _unsized(out)
         made[name] = str(out)
     return made
 

@@ -68,8 +68,9 @@ DESIGN = {
     "audio-tracks": "several audio tracks: the one the ffmpeg command line maps, laid out right (audioread reads "
                     "the first track's channel count with the mapped track's samples)",
     "truncated-wav": "a WAV whose data ends before its header says: refused as truncated, stock returns the part",
-    "decodes-more": "a valid audio file a stock loader raises on decodes (libsndfile loses sync in a FLAC, reads GSM "
-                    "6.10 only block by block, cannot open Speex; PyAV's probe without the name misses raw G.722)",
+    "decodes-more": "a valid audio file a stock loader raises on or returns empty decodes (libsndfile loses sync in "
+                    "a FLAC, reads GSM 6.10 only block by block, cannot open Speex, reads nothing of a WAV whose data "
+                    "size was left at 0; PyAV's probe without the name misses raw G.722)",
     "int-unscaled": "integer samples PyAV decodes at the target rate (TTA): stock's soundfile_pyav casts them to "
                     "float unscaled (704.0), the twin scales them to [-1, 1] (0.0215)",
 }
@@ -140,6 +141,7 @@ EXPECTED = {
     "raw.g722": {"soundfile_pyav": "decodes-more"},
     "speech.tta": {"soundfile_pyav": "int-unscaled"},
     "junk_then.mp3": {"soundfile_pyav": REFUSED},
+    "bext_unsized.bwf": _all(rw.AUDIO_CASES, "decodes-more"),
     "two_audio_tracks.mp4": _all(["librosa", "omni"], "audio-tracks"),
 }
 

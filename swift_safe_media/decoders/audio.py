@@ -46,8 +46,11 @@ def _read_soundfile(label, data, limits, offset, duration):
         if is_out_of_memory(exc):
             raise MemoryError(f"decoding audio with libsndfile: {short_reason(exc)}") from None
         return None
-    if samples.shape[-1] == 0:  # a header with no payload behind it (or an offset past the end)
-        raise MediaDecodeError(label, "no audio samples decoded")
+    if samples.shape[-1] == 0:
+        # A WAV whose recorder never wrote the data size (0: libsndfile reads nothing,
+        # FFmpeg reads to the end, as BWF field recorders leave it), or a header with no
+        # payload: FFmpeg decodes what is there, or says "no audio samples decoded".
+        return None
     return samples, native_sr
 
 
