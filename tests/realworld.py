@@ -33,7 +33,8 @@ SHIPPED_AUDIO = ["test-44100Hz-be-1ch-4bytes.wav", "test-44100Hz-2ch-32bit-float
                  "silence-44-s.wv", "silence-1.wma", "11k-1ch-2s-silence.aif", "variable-block.flac", "click.mpc",
                  "sine_mono_mp3.swf", "silence-3.wma", "silence-44-s.tak", "silence-44-s.eac3", "multiplexed.spx",
                  "silence-2s-PCM-16000-08-ID3v23.wav", "no-tags.3g2", "with-id3.aif", "5644800-2ch-s01-silence.dsf",
-                 "mac-399.ape"]
+                 "mac-399.ape", "cards-001.wav", "sense_and_sensibility_01_austen_64kb-0880.wav", "vm-received.g722",
+                 "hello-world.gsm", "Rear_Left.wav", "percussion-10.wav"]
 
 _SRC = ["-f", "lavfi", "-i", "testsrc2=size=160x96:rate=25:duration=1.2"]
 _X264 = ["-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p"]
@@ -124,6 +125,8 @@ SYNTHESIZED_SPEECH = {
     # 100 kB of junk, then 20 s of MP3 / ADTS (``_junk_before``).
     "junk_then.mp3": [[*_LONG, "-c:a", "libmp3lame", "{dir}/_long.mp3"]],
     "junk_then.aac": [[*_LONG, "-c:a", "aac", "-f", "adts", "{dir}/_long.aac"]],
+    # 1 s of MP3 behind the junk: FFmpeg's probe finds it only with the file's name.
+    "junk_then_short.mp3": [[*_SPEECH, "-c:a", "libmp3lame", "{dir}/_short.mp3"]],
 }
 SYNTHESIZED.update(SYNTHESIZED_SPEECH)
 SYNTHESIZED["animated.gif"] = [["-f", "lavfi", "-i", "testsrc2=size=96x64:rate=10:duration=1.2", "-f", "gif",
@@ -227,8 +230,9 @@ def synthesize(directory) -> dict[str, str]:
             args = [a.replace("{out}", str(out)).replace("{dir}", str(directory)) for a in args]
             subprocess.run([FFMPEG, "-nostdin", "-hide_banner", "-loglevel", "error", "-y", *args], check=True,
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
-        if name.startswith("junk_then."):  # ffmpeg wrote the stream beside it: junk first
-            out.write_bytes(junk() + (directory / f"_long{out.suffix}").read_bytes())
+        if name.startswith("junk_then"):  # ffmpeg wrote the stream beside it: junk first
+            beside = "_short" if "short" in name else "_long"
+            out.write_bytes(junk() + (directory / f"{beside}{out.suffix}").read_bytes())
         if name == "bext_unsized.bwf":
             _unsized(out)
         made[name] = str(out)

@@ -70,7 +70,8 @@ DESIGN = {
     "truncated-wav": "a WAV whose data ends before its header says: refused as truncated, stock returns the part",
     "decodes-more": "a valid audio file a stock loader raises on or returns empty decodes (libsndfile loses sync in "
                     "a FLAC, reads GSM 6.10 only block by block, cannot open Speex, reads nothing of a WAV whose data "
-                    "size was left at 0; PyAV's probe without the name misses raw G.722)",
+                    "size was left at 0, raises on raw GSM as on GSM in WAV; PyAV's probe without the name misses raw "
+                    "G.722)",
     "int-unscaled": "integer samples PyAV decodes at the target rate (TTA): stock's soundfile_pyav casts them to "
                     "float unscaled (704.0), the twin scales them to [-1, 1] (0.0215)",
 }
@@ -141,6 +142,12 @@ EXPECTED = {
     "raw.g722": {"soundfile_pyav": "decodes-more"},
     "speech.tta": {"soundfile_pyav": "int-unscaled"},
     "junk_then.mp3": {"soundfile_pyav": REFUSED},
+    "junk_then_short.mp3": {"soundfile_pyav": REFUSED},
+    # Asterisk's telephony prompts, headerless. G.722: PyAV's probe finds nothing. Raw GSM:
+    # libsndfile opens it by its name and raises as on GSM in WAV; PyAV (soundfile_pyav's
+    # fallback, given the path) finds it by its name.
+    "vm-received.g722": {"soundfile_pyav": "decodes-more"},
+    "hello-world.gsm": _all(["librosa", "omni"], "decodes-more"),
     "bext_unsized.bwf": _all(rw.AUDIO_CASES, "decodes-more"),
     "two_audio_tracks.mp4": _all(["librosa", "omni"], "audio-tracks"),
 }

@@ -113,10 +113,11 @@ def ffprobe_format(path) -> str:
 
 
 def pinned_demuxer(path) -> str:
-    """The demuxer we pin for `path`: chosen from its bytes (its name only for raw G.722)."""
+    """The demuxer we pin for `path`: chosen from its bytes (with its name where FFmpeg's
+    probe needs the name: raw G.722 and GSM, a short MP3 behind junk), as ``open_pyav``."""
     data = path.read_bytes()
     kind = guards.check_file(str(path), str(path))
-    return demuxers.pyav_format(str(path), kind, data[:demuxers.PROBE_MAX], len(data))
+    return demuxers.pyav_format(str(path), kind, data[:demuxers.PROBE_MAX], len(data), str(path))
 
 
 def _trained_on(tmp_path, name):
@@ -183,10 +184,35 @@ def test_junk_alone_and_a_playlist_behind_junk_stay_refused():
         guards.check_bytes("list.mp3", b"#EXTM3U\n" + junk())
 
 
-def test_a_short_mp3_behind_junk_ffmpeg_cannot_find_is_refused(tmp_path):
-    """One second of MP3 after 100 kB of junk: the sniffer finds the frames, FFmpeg's probe
-    (without the file name) does not; refused, not handed to a demuxer FFmpeg did not pick."""
+def test_a_short_mp3_behind_junk_is_read_as_ffmpeg_reads_it_by_its_name(tmp_path):
+    """One second of MP3 after 100 kB of junk: FFmpeg's probe finds it only with the file's
+    name (the command line reads `short.mp3`, not the same bytes as `short.bin`). Named
+    .mp3 it is pinned to the mp3 demuxer, read by PyAV; nameless (bytes, another name)
+    it stays refused, and torchcodec (which probes without a name) never gets it."""
     data = junk() + _make(tmp_path, "_short.mp3", SPEECH + ["-c:a", "libmp3lame"]).read_bytes()
     assert sniff.container_of(data[:sniff.SCAN_BYTES]) == "mp3/aac"
+    named, other = tmp_path / "short.mp3", tmp_path / "short.bin"
+    named.write_bytes(data)
+    other.write_bytes(data)
+    assert pinned_demuxer(named) == ffprobe_format(named) == "mp3"
+    assert demuxers.picked_by_name(str(named))
+    assert ffprobe_format(other) == ""
+    with pytest.raises(MediaDecodeError, match="recognises no format"):
+        pinned_demuxer(other)
     with pytest.raises(MediaDecodeError, match="recognises no format"):
         demuxers.check("short.mp3", data[:demuxers.PROBE_MAX], len(data))
+    with pytest.raises(MediaDecodeError, match="recognises no format"):
+        demuxers.for_torchcodec(str(named), str(named))
+
+
+def test_raw_gsm_is_taken_by_its_name_as_ffmpeg_takes_it():
+    """Asterisk's telephony prompts: raw GSM 6.10 frames, no header; FFmpeg's gsm demuxer
+    has no probe and is chosen by the `.gsm` name, as here."""
+    from tests.realworld import DATA
+
+    path = DATA / "hello-world.gsm"
+    assert guards.check_file(str(path), str(path)) == "gsm"
+    assert pinned_demuxer(path) == ffprobe_format(path) == "gsm"
+    with pytest.raises(MediaDecodeError, match="torchcodec cannot be told its demuxer"):
+        demuxers.for_torchcodec(str(path), str(path))
+

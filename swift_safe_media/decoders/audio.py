@@ -195,9 +195,12 @@ def decode(label, data, limits, offset=0.0, duration=None, rule=families.COMMAND
         result = _read_soundfile(label, data, limits, offset, duration)
         if result is not None:
             return (*result, True)
-    if kind in demuxers.PYAV_ONLY:  # headerless (raw G.722): only PyAV can be told its demuxer
+    # Headerless (raw G.722, GSM) or found by FFmpeg only with the file's name (a short MP3
+    # behind junk): only PyAV can be told its demuxer.
+    if kind in demuxers.PYAV_ONLY or demuxers.picked_by_name(data):
         if not audio_pyav.available():
-            raise MediaDecodeError(label, f"raw {kind} is read with PyAV, which is not installed (pip install av)")
+            raise MediaDecodeError(label, f"{kind} known by its name is read with PyAV, which is not installed "
+                                          "(pip install av)")
         y, native_sr = audio_pyav.decode_float(label, data, limits, offset, duration, None)
         return (y[0] if y.shape[0] == 1 else y), native_sr, False
     return (*_read_torchcodec(label, data, limits, offset, duration, rule), False)

@@ -26,7 +26,8 @@ _FRAMES_CHAINED = 4
 
 # Headerless formats FFmpeg itself chooses by the file name only (its demuxer has no
 # probe): extension -> kind. Only where no bytes say anything (``guards.check_head``).
-RAW_BY_EXTENSION = {".g722": "g722", ".722": "g722"}
+RAW_BY_EXTENSION = {".g722": "g722", ".722": "g722",
+                    ".gsm": "gsm"}  # raw GSM 6.10 frames: telephony prompts and recordings (Asterisk's)
 
 _MAGIC = (
     (b"\x1a\x45\xdf\xa3", "matroska/webm"),
