@@ -192,6 +192,12 @@ MAX_URL_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_URL_BYTES", INT, 1 << 30, "bytes 
 MAX_RESULT_MB = _declare("SWIFT_SAFE_MEDIA_MAX_RESULT_MB", INT, 3072,
                          "bytes one loader call may hand its caller, as the caller holds them (PIL, float frames)",
                          above=0)
+# A decompression bomb (8 frames of 8192x8192 FFV1 in 134 KB) stays under the caps above;
+# no real recording decodes to thousands of times its size in the few frames or seconds a
+# loader asks for. Checked from the header, before decoding, above a floor (decoders/guards.py).
+MAX_EXPANSION = _declare("SWIFT_SAFE_MEDIA_MAX_EXPANSION", INT, 4096,
+                         "decoded bytes (RGB frames, float32 samples) per byte of the input, above 256 MB; 0: no cap",
+                         minimum=0)
 # data: URIs and base64 strings are decoded in the caller, before any timeout applies:
 # refused by their length before decoding (64 MiB decodes in a fraction of a second).
 MAX_INLINE_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_INLINE_BYTES", INT, 64 << 20,

@@ -83,6 +83,28 @@ def decode_failure(label, exc: BaseException, what: str, by: str) -> BaseExcepti
     return MediaDecodeError(label, f"decode failed ({by}): {short_reason(exc)}")
 
 
+def typed_entry(entry):
+    """A decoder's sandbox entry (its first argument: the input, or a list of inputs, each
+    with a ``.label``) whose every failure is a MediaDecodeError naming the input: what
+    soundfile, PyAV, torchcodec, soxr or PIL raise of their own types comes back as
+    ``decode failed: Type: message``. Allocation failures stay MemoryError (the caller
+    reports the memory cap and replaces the sandbox)."""
+    import functools
+
+    @functools.wraps(entry)
+    def run(source, *args, **kwargs):
+        try:
+            return entry(source, *args, **kwargs)
+        except (MediaDecodeError, MemoryError):
+            raise
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise MemoryError(short_reason(exc)) from None
+            first = source[0] if isinstance(source, (list, tuple)) and source else source
+            raise MediaDecodeError(getattr(first, "label", None), f"decode failed: {short_reason(exc)}") from None
+    return run
+
+
 # How allocation failures read when they do not arrive as MemoryError: C++ allocators
 # under RLIMIT_AS ("can't allocate memory", bad_alloc), OSError errno 12, and torch's
 # stable ABI, which torchcodec calls through and which hides the reason of a failed

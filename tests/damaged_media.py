@@ -200,6 +200,9 @@ def build(folder: Path) -> dict[str, Path]:
     bad_rate[2] = (bad_rate[2] & 0xC3) | (13 << 2)  # sample rate index 13 is reserved
     (folder / "adts_bad_rate.aac").write_bytes(bad_rate)
     made["adts_bad_rate.aac"] = folder / "adts_bad_rate.aac"
+    # The same broken header with nothing behind it that FFmpeg could find a sync in.
+    (folder / "adts_bad_rate_alone.aac").write_bytes(bytes(bad_rate[:7]) + bytes(4000))
+    made["adts_bad_rate_alone.aac"] = folder / "adts_bad_rate_alone.aac"
     # A valid first ADTS header, then no second frame where it says the first one ends.
     length = (head[3] & 0x03) << 11 | head[4] << 3 | head[5] >> 5
     (folder / "adts_one_header.aac").write_bytes(bytes(head[:length]) + b"#EXTM3U\n" + bytes(4000))

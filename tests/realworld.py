@@ -31,7 +31,10 @@ SHIPPED_AUDIO = ["test-44100Hz-be-1ch-4bytes.wav", "test-44100Hz-2ch-32bit-float
                  "test-1234Hz-le-1ch-10S-20bit-extra.wav", "test-44100Hz-le-1ch-4bytes-early-eof.wav",
                  "bell.oga", "silence-44-s-mpeg25.mp3", "lame.mp3", "alac.m4a", "example.opus", "silence-44-s.ac3",
                  "silence-44-s.wv", "silence-1.wma", "11k-1ch-2s-silence.aif", "variable-block.flac", "click.mpc",
-                 "sine_mono_mp3.swf"]
+                 "sine_mono_mp3.swf", "silence-3.wma", "silence-44-s.tak", "silence-44-s.eac3", "multiplexed.spx",
+                 "silence-2s-PCM-16000-08-ID3v23.wav", "no-tags.3g2", "with-id3.aif", "5644800-2ch-s01-silence.dsf",
+                 "mac-399.ape", "cards-001.wav", "sense_and_sensibility_01_austen_64kb-0880.wav", "vm-received.g722",
+                 "hello-world.gsm", "Rear_Left.wav", "percussion-10.wav"]
 
 _SRC = ["-f", "lavfi", "-i", "testsrc2=size=160x96:rate=25:duration=1.2"]
 _X264 = ["-c:v", "libx264", "-preset", "ultrafast", "-pix_fmt", "yuv420p"]
@@ -101,9 +104,38 @@ SYNTHESIZED.update({
                       [*_QCIF, "-i", "{dir}/_cover.jpg", "-map", "0", "-map", "1", "-c:v:0", "libx264", "-pix_fmt",
                        "yuv420p", "-c:v:1", "mjpeg", "-disposition:v:1", "attached_pic", "{out}"]],
 })
+# The formats issue 34 names, as ffmpeg writes them (speech at 16 kHz, as corpora ship it).
+_SPEECH = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=16000:duration=1.5"]
+_LONG = ["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=44100:duration=20"]
+SYNTHESIZED_SPEECH = {
+    # ALAC in Matroska, 41 kHz stereo: torchcodec drops the first frame.
+    "alac.mka": [["-f", "lavfi", "-i", "aevalsrc=0.3*sin(2*PI*440*t)|0.3*sin(2*PI*660*t):s=41000:d=4.8",
+                  "-c:a", "alac", "{out}"]],
+    "gsm_610.wav": [["-f", "lavfi", "-i", "sine=frequency=440:sample_rate=8000:duration=1.5", "-c:a", "libgsm_ms",
+                     "{out}"]],
+    "speex.spx": [[*_SPEECH, "-c:a", "libspeex", "{out}"]],
+    "raw.g722": [[*_SPEECH, "-c:a", "g722", "-f", "g722", "{out}"]],
+    "bext_first.bwf": [[*_SPEECH, "-write_bext", "1", "-f", "wav", "{out}"]],
+    # The same, its data size left at 0 by a recorder that never came back to it (``_unsized``).
+    "bext_unsized.bwf": [[*_SPEECH, "-write_bext", "1", "-f", "wav", "{out}"]],
+    "id3_tagged.aac": [[*_SPEECH, "-c:a", "aac", "-f", "adts", "-write_id3v2", "1", "-metadata", "title=x", "{out}"]],
+    "speech.voc": [[*_SPEECH, "-f", "voc", "{out}"]],
+    "speech.au": [[*_SPEECH, "-f", "au", "{out}"]],
+    "speech.tta": [[*_SPEECH, "-f", "tta", "{out}"]],
+    # 100 kB of junk, then 20 s of MP3 / ADTS (``_junk_before``).
+    "junk_then.mp3": [[*_LONG, "-c:a", "libmp3lame", "{dir}/_long.mp3"]],
+    "junk_then.aac": [[*_LONG, "-c:a", "aac", "-f", "adts", "{dir}/_long.aac"]],
+    # 1 s of MP3 behind the junk: FFmpeg's probe finds it only with the file's name.
+    "junk_then_short.mp3": [[*_SPEECH, "-c:a", "libmp3lame", "{dir}/_short.mp3"]],
+}
+SYNTHESIZED.update(SYNTHESIZED_SPEECH)
+SYNTHESIZED["animated.gif"] = [["-f", "lavfi", "-i", "testsrc2=size=96x64:rate=10:duration=1.2", "-f", "gif",
+                                "{out}"]]
 SYNTHESIZED_VIDEO = [name for name in SYNTHESIZED if name not in ("two_audio_tracks.mp4", "wav_16ch.wav",
-                                                                   "flac_192k.flac")]
-SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr"]
+                                                                   "flac_192k.flac", *SYNTHESIZED_SPEECH)]
+SYNTHESIZED_AUDIO = ["two_audio_tracks.mp4", "wav_16ch.wav", "flac_192k.flac", "amr_nb.amr", *SYNTHESIZED_SPEECH,
+                     "amr_wb.awb", "speech.sph", "voice_memo.qcp"]
+
 
 
 def _write_amr(path: Path) -> None:
@@ -118,21 +150,91 @@ def _write_amr(path: Path) -> None:
                                             for _ in range(100)))
 
 
+def _write_amr_wb(path: Path) -> None:
+    """AMR-WB in its storage format ("#!AMR-WB\n", then 12.65 kbit/s frames: a header byte
+    and 32 bytes), as ``_write_amr``: FFmpeg has no AMR-WB encoder here."""
+    import random
+
+    rng = random.Random(34)
+    path.write_bytes(b"#!AMR-WB\n" + b"".join(b"\x14" + bytes(rng.getrandbits(8) & 0x0F for _ in range(32))
+                                               for _ in range(75)))
+
+
+def sphere(pcm: bytes, rate: int = 16000) -> bytes:
+    """NIST SPHERE as speech corpora (TIMIT, Switchboard) ship it: the 1024-byte text header
+    of typed fields the spec defines, then 16-bit little-endian PCM. ffmpeg has no muxer."""
+    header = (f"NIST_1A\n   1024\nsample_count -i {len(pcm) // 2}\nsample_rate -i {rate}\nchannel_count -i 1\n"
+              "sample_n_bytes -i 2\nsample_byte_format -s2 01\nsample_coding -s3 pcm\nend_head\n").encode()
+    return header.ljust(1024, b" ") + pcm
+
+
+def qcp(packets: bytes = b"") -> bytes:
+    """Qualcomm PureVoice (phone voice memos): RIFF 'QLCM', the 150-byte fmt chunk naming
+    QCELP-13K by GUID (RFC 3625), a vrat chunk, then the packets. ffmpeg has no muxer."""
+    import struct
+    import uuid
+
+    guid = uuid.UUID("5e7f6d41-b115-11d0-ba91-00805fb4b97e").bytes_le
+    rates = bytes([34, 4, 16, 3, 7, 2, 3, 1, 0, 0]).ljust(16, b"\0")  # (packet size, rate) pairs
+    fmt = struct.pack("<BB16sH80sHHHHHI16s20s", 1, 0, guid, 1, b"Qcelp 13K".ljust(80, b"\0"), 14000, 35, 160,
+                      8000, 16, 5, rates, bytes(20))
+    body = b"QLCM" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"vrat" + struct.pack("<III", 8, 1, 0) + \
+        b"data" + struct.pack("<I", len(packets)) + packets
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def _write_sphere(path: Path) -> None:
+    path.write_bytes(sphere(subprocess.run([FFMPEG, "-nostdin", "-v", "error", *_SPEECH, "-f", "s16le", "-"],
+                                           check=True, capture_output=True, timeout=60).stdout))
+
+
+def _write_qcp(path: Path) -> None:
+    """Two seconds of full-rate QCELP packets (a rate byte, 34 bytes of seeded low bits, as
+    ``_write_amr``): FFmpeg has no QCELP encoder, its decoder decodes any bits."""
+    import random
+
+    rng = random.Random(5)
+    path.write_bytes(qcp(b"".join(b"\x04" + bytes(rng.getrandbits(8) & 0x0F for _ in range(34)) for _ in range(100))))
+
+
+def _unsized(path: Path) -> None:
+    """Zero the WAV's data chunk size, as a recorder that never came back to it leaves it."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"data")
+    data[at + 4:at + 8] = bytes(4)
+    path.write_bytes(bytes(data))
+
+
+def junk(length: int = 100 * 1024) -> bytes:
+    """Seeded bytes without 0xFF: nothing an MPEG audio or ADTS sync could start."""
+    import random
+
+    return bytes(b if b != 0xFF else 0x7F for b in random.Random(34).randbytes(length))
+
+
 def synthesize(directory) -> dict[str, str]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _write_amr(directory / "amr_nb.amr")
+    _write_amr_wb(directory / "amr_wb.awb")
+    _write_sphere(directory / "speech.sph")
+    _write_qcp(directory / "voice_memo.qcp")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import paff
 
     (directory / "_fields.264").write_bytes(paff.paff())
-    made = {"amr_nb.amr": str(directory / "amr_nb.amr")}
+    made = {name: str(directory / name) for name in ("amr_nb.amr", "amr_wb.awb", "speech.sph", "voice_memo.qcp")}
     for name, steps in SYNTHESIZED.items():
         out = directory / name
         for args in steps:
             args = [a.replace("{out}", str(out)).replace("{dir}", str(directory)) for a in args]
             subprocess.run([FFMPEG, "-nostdin", "-hide_banner", "-loglevel", "error", "-y", *args], check=True,
                            stdin=subprocess.DEVNULL, capture_output=True, timeout=120)
+        if name.startswith("junk_then"):  # ffmpeg wrote the stream beside it: junk first
+            beside = "_short" if "short" in name else "_long"
+            out.write_bytes(junk() + (directory / f"{beside}{out.suffix}").read_bytes())
+        if name == "bext_unsized.bwf":
+            _unsized(out)
         made[name] = str(out)
     return made
 

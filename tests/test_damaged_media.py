@@ -151,10 +151,19 @@ def test_adts_aac_decodes(media, loader):
     assert 0.1 < float(np.abs(samples[8000:40000]).max()) < 0.16
 
 
-@pytest.mark.parametrize("name, reason", [("adts_bad_rate.aac", "not a known media container"),
+@pytest.mark.parametrize("name, reason", [("adts_bad_rate_alone.aac", "not a known media container"),
                                           ("adts_one_header.aac", "not a known media container")])
 def test_bytes_that_only_look_like_adts_are_refused(media, name, reason):
     refused(AUDIO_LOADERS["librosa"], media[name], reason)
+
+
+def test_adts_behind_a_broken_first_header_decodes_as_ffmpeg_decodes_it(media):
+    """The frames after a header with a reserved sample rate are ADTS behind 7 bytes of junk:
+    found where FFmpeg's probe finds them (issue 34), decoded as the command line does."""
+    samples = AUDIO_LOADERS["librosa"](media["adts_bad_rate.aac"])
+    pcm = subprocess.run(["ffmpeg", "-nostdin", "-v", "error", "-i", str(media["adts_bad_rate.aac"]), "-f", "f32le",
+                          "-ac", "1", "-ar", "16000", "-"], capture_output=True, check=True, timeout=60).stdout
+    assert abs(samples.shape[-1] - len(pcm) // 4) <= 1024 * 16000 // 44100  # at most the frame it lost
 
 
 def test_adts_is_told_from_mpeg_audio():

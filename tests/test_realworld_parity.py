@@ -68,7 +68,12 @@ DESIGN = {
     "audio-tracks": "several audio tracks: the one the ffmpeg command line maps, laid out right (audioread reads "
                     "the first track's channel count with the mapped track's samples)",
     "truncated-wav": "a WAV whose data ends before its header says: refused as truncated, stock returns the part",
-    "decodes-more": "a file stock's soundfile_pyav raises on (libsndfile loses sync) decodes with PyAV",
+    "decodes-more": "a valid audio file a stock loader raises on or returns empty decodes (libsndfile loses sync in "
+                    "a FLAC, reads GSM 6.10 only block by block, cannot open Speex, reads nothing of a WAV whose data "
+                    "size was left at 0, raises on raw GSM as on GSM in WAV; PyAV's probe without the name misses raw "
+                    "G.722)",
+    "int-unscaled": "integer samples PyAV decodes at the target rate (TTA): stock's soundfile_pyav casts them to "
+                    "float unscaled (704.0), the twin scales them to [-1, 1] (0.0215)",
 }
 
 VIDEO_FILES = rw.SHIPPED_VIDEO + rw.SYNTHESIZED_VIDEO
@@ -130,6 +135,20 @@ EXPECTED = {
                                    **_all(["llava", "hf", "vllm"], "frame-count")},
     "test-44100Hz-le-1ch-4bytes-early-eof.wav": _all(rw.AUDIO_CASES, "truncated-wav"),
     "variable-block.flac": {"soundfile_pyav": "decodes-more"},
+    "animated.gif": _all(DECORD_CASES, "stock-fails"),
+    "gsm_610.wav": _all(rw.AUDIO_CASES, "decodes-more"),
+    "speex.spx": {"soundfile_pyav": "decodes-more"},
+    "multiplexed.spx": {"soundfile_pyav": "decodes-more"},
+    "raw.g722": {"soundfile_pyav": "decodes-more"},
+    "speech.tta": {"soundfile_pyav": "int-unscaled"},
+    "junk_then.mp3": {"soundfile_pyav": REFUSED},
+    "junk_then_short.mp3": {"soundfile_pyav": REFUSED},
+    # Asterisk's telephony prompts, headerless. G.722: PyAV's probe finds nothing. Raw GSM:
+    # libsndfile opens it by its name and raises as on GSM in WAV; PyAV (soundfile_pyav's
+    # fallback, given the path) finds it by its name.
+    "vm-received.g722": {"soundfile_pyav": "decodes-more"},
+    "hello-world.gsm": _all(["librosa", "omni"], "decodes-more"),
+    "bext_unsized.bwf": _all(rw.AUDIO_CASES, "decodes-more"),
     "two_audio_tracks.mp4": _all(["librosa", "omni"], "audio-tracks"),
 }
 
@@ -224,6 +243,8 @@ def _check_design(key: str, name: str, case: str, path: str, ours, stock_state):
         assert ours[0].dtype == np.float32 and ours[0].shape[-1] > 0
         if key == "audio-tracks" and stock_state[0] == "ok":  # stock: two channels read as one, twice as long
             assert stock_state[1].shape[-1] == 2 * ours[0].shape[-1]
+        if key == "int-unscaled":  # the same 16-bit samples, stock's unscaled
+            np.testing.assert_array_equal(ours[0] * np.float32(32768), stock_state[1])
         return
     if key in ("high-bit-depth", "odd-height") or (FAMILY[case].engine == "torchcodec" and _deep(path)):  # torchcodec's conversion: the frames of the same FFmpeg qwen's stock uses
         from torchcodec.decoders import VideoDecoder
@@ -280,7 +301,7 @@ def _check(stock, files, name, case):
         if case in ("hf", "vllm", "qwen", "librosa", "soundfile_pyav") and state[2]:
             assert ours[2] == state[2], f"{name} {case}: metadata {ours[2]} != stock {state[2]}"
         return
-    if want == "stock-fails":
+    if want in ("stock-fails", "decodes-more"):
         assert state[0] in ("error", "hang") or (state[0] == "ok" and state[1].size == 0), \
             f"{name} {case}: stock {state[0]}"
     _check_design(want, name, case, path, ours[1:], state)

@@ -12,34 +12,76 @@ from __future__ import annotations
 import io
 import math
 
-from ..errors import MediaDecodeError, is_out_of_memory, short_reason
+from ..errors import MediaDecodeError, is_out_of_memory, short_reason, typed_entry
 from . import audio_pyav, demuxers, families, guards, inputs
 
-# A decode this much shorter than the header's duration is checked against PyAV's.
-_SHORT_BY_SECONDS = 0.02
+# A decode this much shorter than the duration the header declares (the stream's, else
+# the container's: Matroska keeps only the latter) is checked against PyAV's. Headers
+# round to a millisecond; a false alarm costs a second decode, never other samples.
+_SHORT_BY_SECONDS = 0.001
 
 # Containers libsndfile decodes itself; anything else (MP4/M4A, Matroska, ...) goes to torchcodec.
-_SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff"}
+# As librosa and ms-swift's soundfile_pyav, libsndfile is tried first on everything it
+# may read (SPHERE, AU, VOC, W64 and CAF too); what it refuses goes on to FFmpeg.
+_SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff", "nistsphere", "amr/au/wavpack/ape", "voc",
+                         "w64", "caf"}
 
 
 def _read_soundfile(label, data, limits, offset, duration):
-    """(samples (channels, n) or (n,), native rate), or None when libsndfile can't read it."""
+    """(samples (channels, n) or (n,), native rate), or None when libsndfile can't read it
+    (FFmpeg then decodes it: whatever libsndfile raises, it is not the file's last word)."""
     import soundfile
 
     try:
         with soundfile.SoundFile(data if isinstance(data, str) else io.BytesIO(data)) as f:
             native_sr = f.samplerate
-            guards.check_audio_seconds(label, f.frames / native_sr if duration is None else duration, limits)
-            start = int(offset * native_sr)
-            if start:
-                f.seek(start)
-            frames = -1 if duration is None else int(duration * native_sr)
-            samples = f.read(frames=frames, dtype="float32", always_2d=False).T
-    except soundfile.LibsndfileError:
+            seconds = f.frames / native_sr if duration is None else duration
+            guards.check_audio_seconds(label, seconds, limits)
+            guards.check_expansion(label, seconds * native_sr * f.channels * 4, "audio samples as float32",
+                                   guards.input_size(data), limits)
+            samples = _read_frames(f, int(offset * native_sr), -1 if duration is None else int(duration * native_sr))
+    except (MediaDecodeError, MemoryError):
+        raise
+    except Exception as exc:  # LibsndfileError, or its Python side's ValueError / RuntimeError
+        if is_out_of_memory(exc):
+            raise MemoryError(f"decoding audio with libsndfile: {short_reason(exc)}") from None
         return None
-    if samples.shape[-1] == 0:  # a header with no payload behind it (or an offset past the end)
-        raise MediaDecodeError(label, "no audio samples decoded")
+    if samples.shape[-1] == 0:
+        # A WAV whose recorder never wrote the data size (0: libsndfile reads nothing,
+        # FFmpeg reads to the end, as BWF field recorders leave it), or a header with no
+        # payload: FFmpeg decodes what is there, or says "no audio samples decoded".
+        return None
     return samples, native_sr
+
+
+# Frames read at a time from a file libsndfile cannot seek in (GSM 6.10 in WAV).
+_BLOCK_FRAMES = 1 << 16
+
+
+def _read_frames(f, start: int, frames: int):
+    """`frames` frames (-1: all) from frame `start` on, (channels, n) or (n,). A file
+    libsndfile cannot seek in (GSM 6.10, where soundfile's read(-1) raises "frames must
+    be specified for non-seekable files") is read block by block from its start."""
+    import numpy as np
+
+    if f.seekable():
+        if start:
+            f.seek(start)
+        return f.read(frames=frames, dtype="float32", always_2d=False).T
+    blocks, skipped, wanted = [], 0, frames
+    while wanted:
+        block = f.read(frames=_BLOCK_FRAMES if wanted < 0 else min(wanted, _BLOCK_FRAMES), dtype="float32",
+                       always_2d=True)
+        if not len(block):
+            break
+        if skipped < start:
+            cut = min(start - skipped, len(block))
+            skipped, block = skipped + cut, block[cut:]
+        if len(block):
+            blocks.append(block)
+            wanted = wanted - len(block) if wanted > 0 else wanted
+    samples = np.concatenate(blocks) if blocks else np.zeros((0, f.channels), np.float32)
+    return (samples[:, 0] if f.channels == 1 else samples).T
 
 
 def _open_audio(label, data, stream_index=None):
@@ -55,15 +97,15 @@ def _open_audio(label, data, stream_index=None):
 
 
 def _audio_streams(label, data, decoder, rule):
-    """(the input's audio streams, FFmpeg's best one) as ``families.pick_audio`` wants
-    them; ([], None) where this torchcodec does not tell. Dispositions are read with PyAV,
-    and only where there is a choice to make by them."""
+    """(the input's audio streams, FFmpeg's best one, the container's declared duration)
+    as ``families.pick_audio`` wants them; ([], None, None) where this torchcodec does not
+    tell. Dispositions are read with PyAV, and only where there is a choice to make by them."""
     try:
         from torchcodec import _core
 
         container = _core.get_container_metadata(decoder._decoder)
     except Exception:
-        return [], None
+        return [], None, None
     streams = [families.StreamInfo(s.stream_index, float(s.bit_rate or 0), channels=s.num_channels or 0)
                for s in container.streams if type(s).__name__ == "AudioStreamMetadata"]
     if len(streams) > 1 and rule == families.COMMAND_LINE:
@@ -74,20 +116,24 @@ def _audio_streams(label, data, decoder, rule):
                        for s in streams]
         except Exception:  # no PyAV: the most channels, then the first
             pass
-    return streams, container.best_audio_stream_index
+    return streams, container.best_audio_stream_index, container.duration_seconds_from_header
 
 
 def _read_torchcodec(label, data, limits, offset, duration, rule=families.COMMAND_LINE):
     decoder = _open_audio(label, data)
-    streams, best = _audio_streams(label, data, decoder, rule)
+    streams, best, container_seconds = _audio_streams(label, data, decoder, rule)
     if len(streams) > 1:
         wanted = families.pick_audio(streams, rule, best)
         if wanted is not None and wanted != decoder.stream_index:
             decoder = _open_audio(label, data, wanted)
     native_sr = decoder.metadata.sample_rate
-    header_seconds = decoder.metadata.duration_seconds_from_header
+    header_seconds = decoder.metadata.duration_seconds_from_header or container_seconds
     if duration is None and header_seconds:
         guards.check_audio_seconds(label, header_seconds - offset, limits)
+    if header_seconds:
+        seconds = min(header_seconds - offset, limits.max_audio_seconds) if duration is None else duration
+        guards.check_expansion(label, seconds * native_sr * (decoder.metadata.num_channels or 1) * 4,
+                               "audio samples as float32", guards.input_size(data), limits)
     # Never decode past the cap, even when the header does not say how long the stream is.
     span = limits.max_audio_seconds if duration is None else min(duration, limits.max_audio_seconds)
     try:
@@ -107,7 +153,8 @@ def _read_torchcodec(label, data, limits, offset, duration, rule=families.COMMAN
     if header_seconds and offset == 0 and duration is None and audio_pyav.available() \
             and y.shape[-1] < (header_seconds - _SHORT_BY_SECONDS) * native_sr:
         # Fewer samples than the header promises (torchcodec trims frames whose
-        # timestamps overlap, as in some WMA): PyAV from the start, if it finds more.
+        # timestamps overlap, as in some WMA, drops Opus/Speex pre-skip and an ALAC
+        # track's first frame in Matroska): PyAV from the start, if it finds more.
         try:
             more, _ = audio_pyav.decode_float(label, data, limits, 0.0, None, decoder.stream_index)
         except MediaDecodeError:
@@ -143,16 +190,27 @@ def decode(label, data, limits, offset=0.0, duration=None, rule=families.COMMAND
     """(float32 samples at the native rate, native rate, decoded by soundfile?). `rule`:
     which audio stream of a container with several (``families.pick_audio``): librosa's
     audioread pipe takes what the ffmpeg command line maps, PyAV's users the first."""
-    if _container(data) in _SOUNDFILE_CONTAINERS:
+    kind = _container(data)
+    if kind in _SOUNDFILE_CONTAINERS:
         result = _read_soundfile(label, data, limits, offset, duration)
         if result is not None:
             return (*result, True)
+    # Headerless (raw G.722, GSM) or found by FFmpeg only with the file's name (a short MP3
+    # behind junk): only PyAV can be told its demuxer.
+    if kind in demuxers.PYAV_ONLY or demuxers.picked_by_name(data):
+        if not audio_pyav.available():
+            raise MediaDecodeError(label, f"{kind} known by its name is read with PyAV, which is not installed "
+                                          "(pip install av)")
+        y, native_sr = audio_pyav.decode_float(label, data, limits, offset, duration, None)
+        return (y[0] if y.shape[0] == 1 else y), native_sr, False
     return (*_read_torchcodec(label, data, limits, offset, duration, rule), False)
 
 
 def _container(data) -> str | None:
-    """What container `data` (bytes or a guarded path) starts."""
-    return guards.container_of(data[:guards.HEAD_BYTES] if isinstance(data, bytes) else _head(data))
+    """What container `data` (bytes or a guarded path) starts, or its name says it holds."""
+    if isinstance(data, bytes):
+        return guards.container_of(data[:guards.HEAD_BYTES])
+    return guards.container_of(_head(data)) or guards.raw_by_name(data)
 
 
 def _head(path: str) -> bytes:
@@ -160,6 +218,7 @@ def _head(path: str) -> bytes:
         return f.read(guards.HEAD_BYTES)
 
 
+@typed_entry
 def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=True, offset=0.0, duration=None):
     """Sandbox entry, librosa.load semantics: (samples, rate)."""
     import numpy as np
@@ -178,6 +237,7 @@ def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=Tru
     return np.ascontiguousarray(y, dtype=np.float32), native_sr
 
 
+@typed_entry
 def load_soundfile_pyav(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=True):
     """Sandbox entry, ms-swift's soundfile_pyav backend semantics: (samples, rate).
 

@@ -66,9 +66,11 @@ def decode_like_stock(label, data, limits: guards.Limits, sr, mono: bool):
         resampling = not math.isclose(float(target_sr), float(native_sr), rel_tol=0.0, abs_tol=1e-6)
         resampler = av.AudioResampler(format="fltp", layout="mono", rate=target_sr) if resampling else None
         as_float = None if resampling else av.AudioResampler(format="fltp")
-        chunks, held = [], 0
+        chunks, held, decoded, size = [], 0, 0, guards.input_size(data)
         try:
             for frame in container.decode(stream):
+                decoded += frame.samples  # at the native rate, what the decompression cap counts
+                _check_expansion(label, decoded * stream.channels, size, limits)
                 for out in (resampler or as_float).resample(frame):
                     chunks.append(out.to_ndarray())
                     held += out.samples
@@ -87,6 +89,11 @@ def decode_like_stock(label, data, limits: guards.Limits, sr, mono: bool):
     return np.ascontiguousarray(y, dtype=np.float32), target_sr
 
 
+def _check_expansion(label, samples: int, input_bytes, limits: guards.Limits) -> None:
+    """``guards.check_expansion`` on the float32 samples decoded so far (all channels)."""
+    guards.check_expansion(label, samples * 4, "audio samples as float32", input_bytes, limits)
+
+
 def decode_float(label, data, limits: guards.Limits, offset: float, duration, stream_index: int | None):
     """(float32 samples (channels, n), native rate) of one audio stream, decoded in
     order from its start, `offset` and `duration` in seconds applied after decoding."""
@@ -102,7 +109,7 @@ def decode_float(label, data, limits: guards.Limits, offset: float, duration, st
         to_float = av.AudioResampler(format="fltp")
         stop = None if duration is None else offset + duration
         cap = offset + limits.max_audio_seconds if stop is None else min(stop, offset + limits.max_audio_seconds)
-        chunks, held, errors, last_error = [], 0, 0, None
+        chunks, held, errors, last_error, size = [], 0, 0, None, guards.input_size(data)
         try:
             for packet in container.demux(stream):
                 # As the ffmpeg command line (what librosa's audioread pipe runs) does, a
@@ -116,6 +123,7 @@ def decode_float(label, data, limits: guards.Limits, offset: float, duration, st
                     for out in to_float.resample(frame):
                         chunks.append(out.to_ndarray())
                         held += out.samples
+                _check_expansion(label, held * stream.channels, size, limits)
                 if held / native_sr > cap + 1.0:
                     break
             chunks.extend(out.to_ndarray() for out in to_float.resample(None))

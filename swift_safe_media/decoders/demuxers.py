@@ -61,7 +61,19 @@ ALLOWED = {
     "musepack": ("mpc", "mpc8"),
     "amr/au/wavpack/ape": ("amr", "au", "wv", "ape"),
     "swf": ("swf",),
+    "gif": ("gif",),  # never gif_pipe (image2pipe's family) or image2
+    "nistsphere": ("nistsphere",),
+    "qcp": ("qcp",),
+    "tta": ("tta",),
+    "tak": ("tak",),
+    "dsf": ("dsf",),
+    # Headerless: FFmpeg's probe finds nothing and never picks it; chosen by the name
+    # (``guards.raw_by_name``) and read by PyAV only, its demuxer named (``open_pyav``).
+    "g722": (),
+    "gsm": (),
 }
+# Kinds only PyAV reads (it can be told the demuxer; torchcodec cannot).
+PYAV_ONLY = {"g722", "gsm"}
 
 # What PyAV is told to use (format=...) for a container of one demuxer: FFmpeg's short
 # names. Kinds with several allowed demuxers (an elementary stream, a tagged MP3 or AAC)
@@ -70,7 +82,8 @@ PYAV_FORMAT = {
     "mp4/mov": "mov", "matroska/webm": "matroska", "wav": "wav", "w64": "w64", "avi": "avi", "flac": "flac",
     "ogg": "ogg", "mp3": "mp3", "aac": "aac", "aiff": "aiff", "caf": "caf", "asf/wmv": "asf", "flv": "flv",
     "mpeg-ps": "mpeg", "mpeg-ts": "mpegts", "ivf": "ivf", "y4m": "yuv4mpegpipe", "nut": "nut", "voc": "voc",
-    "swf": "swf",
+    "swf": "swf", "gif": "gif", "nistsphere": "nistsphere", "qcp": "qcp", "tta": "tta", "tak": "tak", "dsf": "dsf",
+    "g722": "g722", "gsm": "gsm",
 }
 
 # FFmpeg's av_probe_input_buffer2: buffers from 2 KiB doubling to 1 MiB; a demuxer is
@@ -110,21 +123,24 @@ def _loaded_libavformat():
     return _libavformat
 
 
-def probe(head: bytes, size: int) -> str | None:
+def probe(head: bytes, size: int, name: str | None = None) -> str | None:
     """Name of the demuxer FFmpeg's probe picks for an input of `size` bytes starting with
-    `head` (at least its first ``PROBE_MAX`` bytes) handed over without a name; None if none."""
-    return _probe(head, size)[0]
+    `head` (at least its first ``PROBE_MAX`` bytes), handed over without a name or, given
+    `name`, under that file name's extension; None if none."""
+    return _probe(head, size, name)[0]
 
 
-def _probe(head: bytes, size: int) -> tuple[str | None, int]:
+def _probe(head: bytes, size: int, name: str | None = None) -> tuple[str | None, int]:
     """(demuxer name or None, how many leading bytes FFmpeg's probe reads to decide)."""
     lib = _loaded_libavformat()
+    # Only the extension: what FFmpeg's demuxers match a file name on (av_match_ext).
+    filename = ("probe" + os.path.splitext(name)[1]).encode("ascii", "replace") if name else b""
     probe_size, previous = PROBE_MIN, -1
     while True:
         available = min(probe_size, size, len(head))
         at_end = available == previous  # FFmpeg's read hit the end: any score will do
         buffer = ctypes.create_string_buffer(head[:available], available + _PADDING)
-        data = _ProbeData(b"", ctypes.cast(buffer, ctypes.c_void_p), available, None)
+        data = _ProbeData(filename, ctypes.cast(buffer, ctypes.c_void_p), available, None)
         score = ctypes.c_int(0 if at_end or probe_size >= PROBE_MAX else _SCORE_RETRY)
         found = lib.av_probe_input_format2(ctypes.byref(data), 1, ctypes.byref(score))
         if found:
@@ -142,12 +158,16 @@ def check(label, head: bytes, size: int) -> int:
     return _check(label, head, size)[0]
 
 
-def _check(label, head: bytes, size: int) -> tuple[int, str]:
-    """``check``, also returning the demuxer FFmpeg's probe picked."""
-    kind = guards.container_of(head[:guards.HEAD_BYTES])
+def _check(label, head: bytes, size: int, name: str | None = None) -> tuple[int, str]:
+    """``check``, also returning the demuxer FFmpeg's probe picked. Given the local file's
+    `name`, a probe that finds nothing without it is tried again with it, as the ffmpeg
+    command line probes a file (``picked_by_name``)."""
+    kind = guards.container_of(head)
     allowed = ALLOWED.get(kind, ())
     try:
         picked, probed = _probe(head, size)
+        if picked is None and name:
+            picked, probed = _probe(head, size, name)
     except OSError as exc:  # fail closed: no check, no FFmpeg
         raise MediaDecodeError(label, f"cannot check which FFmpeg demuxer would read it: {exc}") from None
     if picked not in allowed:
@@ -156,15 +176,16 @@ def _check(label, head: bytes, size: int) -> tuple[int, str]:
     return probed, picked
 
 
-def pyav_format(label, kind: str, head: bytes, size: int) -> str:
+def pyav_format(label, kind: str, head: bytes, size: int, name: str | None = None) -> str:
     """The FFmpeg short name PyAV is told to use for `kind`: the container's own demuxer,
-    or, for a kind several demuxers read, the allowed one FFmpeg's probe picks."""
+    or, for a kind several demuxers read, the allowed one FFmpeg's probe picks (with the
+    local file's `name` where it finds nothing without)."""
     fmt = PYAV_FORMAT.get(kind)
     if fmt is not None:
         return fmt
     if kind not in ALLOWED:
         raise MediaDecodeError(label, f"no pinned PyAV demuxer for {kind}")
-    picked = _check(label, head, size)[1]
+    picked = _check(label, head, size, name)[1]
     # The probe names a demuxer by its list of names ("mov,mp4,..."); PyAV takes the first.
     return picked.split(",")[0]
 
@@ -241,11 +262,31 @@ def for_torchcodec(label, data):
         return data
     handle, snapshot, size = _open_path(label, data)
     try:
+        kind = guards.raw_by_name(data)
+        if kind in PYAV_ONLY and guards.container_of(snapshot[:guards.HEAD_BYTES]) is None:
+            raise MediaDecodeError(label, f"raw {kind} (known by its name only): torchcodec cannot be told its demuxer")
         handle.keep_snapshot(check(label, snapshot, size))
     except BaseException:
         handle.close()
         raise
     return handle
+
+
+def picked_by_name(data) -> bool:
+    """Whether FFmpeg's probe finds the local file `data` (a guarded path) only with its
+    name: MPEG audio behind junk, too short for the probe without a name to score it
+    (the ffmpeg command line, which probes with the name, reads it). Only PyAV, told the
+    demuxer, reads such a file; torchcodec probes without a name."""
+    if not isinstance(data, str):
+        return False
+    with open(data, "rb") as f:
+        if guards.container_of(f.read(guards.HEAD_BYTES)):
+            return False  # a container at the start (every usual file): nothing more is read
+        f.seek(0)
+        snapshot = f.read(SNAPSHOT_BYTES)
+    if not guards.container_of(snapshot):
+        return False  # no frames behind junk either: the usual checks refuse it
+    return _probe(snapshot, os.path.getsize(data))[0] is None
 
 
 def pyav_options(kind: str) -> dict:
@@ -268,14 +309,16 @@ def open_pyav(label, data, **kwargs):
     else:
         handle, snapshot, size = _open_path(label, data)
         try:
-            kind = guards.check_head(label, snapshot[:guards.HEAD_BYTES], size)
+            kind = guards.check_head(label, snapshot, size, data)
             handle.keep_snapshot(0)  # the demuxer is named: nothing is probed
         except BaseException:
             handle.close()
             raise
     try:
-        fmt = pyav_format(label, kind, data[:SNAPSHOT_BYTES] if isinstance(data, bytes) else snapshot,
-                          len(data) if isinstance(data, bytes) else size)
+        if isinstance(data, bytes):
+            fmt = pyav_format(label, kind, data[:SNAPSHOT_BYTES], len(data))
+        else:
+            fmt = pyav_format(label, kind, snapshot, size, data)
     except BaseException:
         handle.close()
         raise

@@ -12,10 +12,10 @@ import stat
 from dataclasses import dataclass
 
 from .. import config
-from ..config import MAX_AUDIO_SECONDS, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
+from ..config import MAX_AUDIO_SECONDS, MAX_EXPANSION, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 from . import integrity
-from .sniff import HEAD_BYTES, adts_frame_length, container_of  # noqa: F401  (the guards' names)
+from .sniff import HEAD_BYTES, RAW_BY_EXTENSION, SCAN_BYTES, adts_frame_length, container_of  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,12 @@ class Limits:
     max_url_bytes: int = config.SETTINGS[MAX_URL_BYTES].default
     max_result_bytes: int = config.SETTINGS[MAX_RESULT_MB].default << 20
     max_inline_bytes: int = config.SETTINGS[MAX_INLINE_BYTES].default
+    max_expansion: int = config.SETTINGS[MAX_EXPANSION].default
 
     @classmethod
     def from_env(cls) -> "Limits":
         return cls(config.get(MAX_PIXELS), config.get(MAX_AUDIO_SECONDS), config.get(MAX_URL_BYTES),
-                   config.get(MAX_RESULT_MB) << 20, config.get(MAX_INLINE_BYTES))
+                   config.get(MAX_RESULT_MB) << 20, config.get(MAX_INLINE_BYTES), config.get(MAX_EXPANSION))
 
 
 def check_pixels(label, frames: int, height: int, width: int, limits: Limits) -> None:
@@ -46,6 +47,33 @@ def check_result_bytes(label, nbytes: int, what: str, limits: Limits) -> None:
     if nbytes > limits.max_result_bytes:
         raise MediaDecodeError(label, f"result size cap exceeded: {what} = {_megabytes(nbytes)} > "
                                       f"{_megabytes(limits.max_result_bytes)} ({MAX_RESULT_MB})")
+
+
+# Below this many decoded bytes the expansion is never checked: a short clip or a second
+# of sound may decode to any multiple of its few kilobytes.
+EXPANSION_FLOOR_BYTES = 256 << 20
+
+
+def check_expansion(label, nbytes: float, what: str, input_bytes: int | None, limits: Limits) -> None:
+    """Refuse a decompression bomb: `nbytes` decoded (RGB frames, float32 samples at the
+    native rate) from an input of `input_bytes`, over ``max_expansion`` times its size.
+    Checked from the header, before decoding, in the sandbox."""
+    if not limits.max_expansion or not input_bytes or nbytes <= EXPANSION_FLOOR_BYTES:
+        return
+    if nbytes > limits.max_expansion * input_bytes:
+        raise MediaDecodeError(label, f"decompression cap exceeded: {what} = {_megabytes(nbytes)} from a "
+                                      f"{input_bytes / 1024:.0f} KB file, {nbytes / input_bytes:.0f} times its size "
+                                      f"> {limits.max_expansion} ({MAX_EXPANSION})")
+
+
+def input_size(data) -> int | None:
+    """Bytes of a materialized input (a guarded path, or bytes)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return len(data)
+    try:
+        return os.stat(data).st_size
+    except (OSError, TypeError):
+        return None
 
 
 def _megabytes(nbytes: int) -> str:
@@ -72,18 +100,28 @@ _INDIRECTIONS = (
 )
 
 
-def check_head(label, head: bytes, size: int) -> str:
-    """Raise unless `head` (the first bytes of a `size`-byte input) starts a media container."""
+def check_head(label, head: bytes, size: int, name: str | None = None) -> str:
+    """Raise unless `head` (the first bytes of a `size`-byte input: ``HEAD_BYTES``, or up
+    to ``SCAN_BYTES`` to find audio frames behind junk) starts a media container. A
+    headerless format FFmpeg knows by its file name only (raw G.722) is taken by `name`'s
+    extension, and only where the bytes start nothing else."""
     if size == 0:
         raise MediaDecodeError(label, "zero-byte file")
     stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     for magic, reason in _INDIRECTIONS:
         if stripped[:len(magic)].lower() == magic.lower():
             raise MediaDecodeError(label, reason)
-    kind = container_of(head)
+    # The name's headerless format before frames looked for behind junk: G.722's bytes
+    # are anything, MPEG audio frames now and then among them.
+    kind = container_of(head[:HEAD_BYTES]) or raw_by_name(name) or container_of(head)
     if kind is None:
         raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
     return kind
+
+
+def raw_by_name(name) -> str | None:
+    """The headerless format (``RAW_BY_EXTENSION``) a local file's name says it holds."""
+    return RAW_BY_EXTENSION.get(os.path.splitext(name)[1].lower()) if isinstance(name, str) else None
 
 
 def _second_frame_synced(kind: str, head: bytes, read_at, size: int) -> bool:
@@ -128,7 +166,9 @@ def check_file(label, path: str) -> str:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise MediaDecodeError(label, "not a regular file")
         head = os.pread(fd, HEAD_BYTES, 0)
-        kind = check_head(label, head, info.st_size)
+        if container_of(head) is None and info.st_size > HEAD_BYTES:  # audio frames behind junk?
+            head = os.pread(fd, SCAN_BYTES, 0)
+        kind = check_head(label, head, info.st_size, path)
         if not _second_frame_synced(kind, head, lambda off, n: os.pread(fd, n, off), info.st_size):
             raise MediaDecodeError(label, f"not a known media container (first bytes {head[:12]!r})")
         integrity.check_complete(label, kind, integrity.Reader(fd=fd, size=info.st_size))
@@ -138,7 +178,7 @@ def check_file(label, path: str) -> str:
 
 
 def check_bytes(label, data: bytes) -> str:
-    kind = check_head(label, data[:HEAD_BYTES], len(data))
+    kind = check_head(label, data[:SCAN_BYTES], len(data))
     if not _second_frame_synced(kind, data[:HEAD_BYTES], lambda off, n: data[off:off + n], len(data)):
         raise MediaDecodeError(label, f"not a known media container (first bytes {data[:12]!r})")
     integrity.check_complete(label, kind, integrity.Reader(data=data))

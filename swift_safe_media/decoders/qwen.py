@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from .. import engine
-from ..errors import MediaDecodeError
+from ..errors import MediaDecodeError, typed_entry
 from . import audio, families, guards, inputs, video
 
 # Constants of qwen_vl_utils 0.0.14 / qwen_omni_utils 0.0.9 vision_process, as shipped.
@@ -149,6 +149,7 @@ def target_size(height, width, nframes, sizing, image_patch_size, settings, seq_
     return smart_resize(height, width, factor, settings, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
+@typed_entry
 def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing, image_patch_size, settings,
                    seq_len, family=families.TORCHCODEC):
     """Sandbox entry: stock ``fetch_video`` on a video file. Frames are chosen with the
@@ -176,7 +177,7 @@ def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing,
         except ValueError as exc:
             raise MediaDecodeError(label, f"refused by the qwen_vl_utils sampling rules: {exc}") from None
         count = len(indices)
-        video.check_result(label, count, info, limits, pixel_bytes=0)
+        video.check_result(label, count, info, limits, pixel_bytes=0, input_bytes=reader.input_bytes)
         guards.check_result_bytes(label, count * 3 * height * width * 4,
                                   f"{count} frames resized to {width}x{height} as float32", limits)
         resized = torch.empty((count, 3, height, width), dtype=torch.float32)
@@ -193,6 +194,7 @@ def sample_resized(source, limits: guards.Limits, url_timeout, sampling, sizing,
     return resized, info, indices, total
 
 
+@typed_entry
 def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_video_metadata):
     # A video given as a list of images: stock code, run in the sandbox (no video decoder involved).
     from qwen_vl_utils import fetch_video as stock_fetch_video

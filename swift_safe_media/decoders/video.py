@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from .. import config
-from ..errors import MediaDecodeError, is_out_of_memory, short_reason
+from ..errors import MediaDecodeError, is_out_of_memory, short_reason, typed_entry
 from . import demuxers, families, guards, inputs
 from .families import Family
 from .pyav_video import PALETTE_CODECS, PyAVVideo
@@ -90,6 +90,7 @@ class TorchcodecVideo:
 
     def __init__(self, label, data, family: Family):
         self.label, self.family = label, family
+        self.input_bytes = guards.input_size(data)  # for the decompression cap
         decoder = self._decoder(data, None)
         streams, best = _video_streams(decoder)
         wanted = families.pick_video(streams, family.video_stream, best)
@@ -235,6 +236,7 @@ class PyAVReader:
             need = f"{why}; decoding it needs PyAV" if why else f"the {family.name} loaders decode with PyAV"
             raise MediaDecodeError(label, f"{need}, which is not installed (pip install av)") from None
         self.label, self.family, self.why = label, family, why
+        self.input_bytes = guards.input_size(data)
         try:
             self.video = PyAVVideo(label, data, stream_index, rotated=family.rotated, rotation=rotation,
                                    threads=config.decoder_threads())
@@ -310,12 +312,16 @@ def decode(label, data, family: Family, pick, deliver, reader=None):
     raise MediaDecodeError(label, "frame count kept changing while decoding")
 
 
-def check_result(label, count: int, info: VideoInfo, limits: guards.Limits, pixel_bytes: int) -> None:
-    """The caps on `count` frames before they are decoded: decoded pixels, and the bytes
+def check_result(label, count: int, info: VideoInfo, limits: guards.Limits, pixel_bytes: int,
+                 input_bytes: int | None = None) -> None:
+    """The caps on `count` frames before they are decoded: decoded pixels, their RGB bytes
+    against the `input_bytes` they come from (``guards.check_expansion``), and the bytes
     the caller will hold when each pixel costs it `pixel_bytes` (3 for an RGB array, 4
     for a PIL RGB image, which Pillow stores in 32 bits; 0: the caller gets something
     else, checked by whoever makes it)."""
     guards.check_pixels(label, count, info.height, info.width, limits)
+    guards.check_expansion(label, count * info.height * info.width * 3,
+                           f"{count} frames of {info.width}x{info.height} as RGB", input_bytes, limits)
     if pixel_bytes:
         guards.check_result_bytes(label, count * info.height * info.width * pixel_bytes,
                                   f"{count} frames of {info.width}x{info.height} at {pixel_bytes} bytes per pixel",
@@ -327,7 +333,7 @@ def _gather(label, limits, pixel_bytes):
     import numpy as np
 
     def deliver(reader, info, picked):
-        check_result(label, len(picked), info, limits, pixel_bytes)
+        check_result(label, len(picked), info, limits, pixel_bytes, reader.input_bytes)
         if not len(picked):
             raise MediaDecodeError(label, "no frames selected")
         parts = []
@@ -336,6 +342,7 @@ def _gather(label, limits, pixel_bytes):
     return deliver
 
 
+@typed_entry
 def sample(source: inputs.Source, limits: guards.Limits, url_timeout, pick, *pick_args, pixel_bytes: int = 3,
            family: Family = families.TORCHCODEC):
     """Sandbox entry: open, choose frames with ``pick(info, *pick_args)``, decode them.
@@ -351,6 +358,7 @@ def sample(source: inputs.Source, limits: guards.Limits, url_timeout, pick, *pic
     return frames, info, [int(i) for i in picked]
 
 
+@typed_entry
 def load_images(sources, limits: guards.Limits, url_timeout):
     """Sandbox entry: a list of image inputs (a video given as frames) as one uint8 array."""
     import io
