@@ -159,21 +159,23 @@ def create_landlock_ruleset(abi: int, handled_fs: int, handled_net: int, scoped:
                    ctypes.c_uint32(0))
 
 
-def allow_beneath(ruleset_fd: int, path: str, rights: int) -> None:
-    """Allow ``rights`` below ``path`` (a file takes file rights only); a path that does
-    not exist is skipped."""
+def open_rule_path(path: str, rights: int) -> tuple[int, int] | None:
+    """``path`` opened for a rule (``O_PATH``), with ``rights`` cut to what a file takes
+    if it is not a folder; None if it does not exist."""
     try:
         target = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
-        return
-    try:
-        if not os.path.isdir(path):
-            rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
-        rule = _PathBeneath(rights, target)
-        syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset_fd),
-                ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
-    finally:
-        os.close(target)
+        return None
+    if not os.path.isdir(path):
+        rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
+    return target, rights
+
+
+def add_rule(ruleset_fd: int, target: int, rights: int) -> None:
+    """Allow ``rights`` beneath the path ``target`` (an ``O_PATH`` descriptor) names."""
+    rule = _PathBeneath(rights, target)
+    syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset_fd), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+            ctypes.byref(rule), ctypes.c_uint32(0))
 
 
 # -- installing (in the process to confine) ------------------------------------------------
@@ -184,8 +186,16 @@ def set_no_new_privs() -> None:
         raise OSError(err, f"PR_SET_NO_NEW_PRIVS: {os.strerror(err)}")
 
 
-def landlock_restrict_self(ruleset_fd: int) -> None:
-    syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset_fd), ctypes.c_uint32(0))
+def restrict_self(abi: int, handled_fs: int, handled_net: int, scoped: int, rules) -> None:
+    """Build a ruleset from ``rules`` ((O_PATH descriptor, rights) pairs) and restrict
+    this thread (and the threads it starts) to it."""
+    ruleset = create_landlock_ruleset(abi, handled_fs, handled_net, scoped)
+    try:
+        for target, rights in rules:
+            add_rule(ruleset, target, rights)
+        syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
+    finally:
+        os.close(ruleset)
 
 
 def install_seccomp_filter(seccomp_number: int, fprog: SockFprog) -> None:
