@@ -66,7 +66,8 @@ def test_native_call_holding_the_gil_times_out():
     assert_engine_usable(previous)
 
 
-def test_native_busy_loop_holding_the_gil_times_out(spin_library):
+def test_native_busy_loop_holding_the_gil_times_out(spin_library, readable):
+    readable(os.path.dirname(spin_library))
     error, elapsed = timed_failure(MediaDecodeTimeout, sandboxed.spin_holding_gil, spin_library)
     assert elapsed < 1.0 + SLACK
     assert spin_library in str(error), "the first path-like argument names the media"
