@@ -58,7 +58,8 @@ def is_allowed(name: str, extra=()) -> bool:
 def allowed(environment=None) -> dict:
     """The part of ``environment`` (default: this process's) a zygote or sandbox may hold."""
     environment = os.environ if environment is None else environment
-    extra = frozenset(config.get(config.SANDBOX_ENV))
+    # The user's extra names as ``environment`` itself says (a sandbox filters what it is sent).
+    extra = frozenset(config.parse(config.SETTINGS[config.SANDBOX_ENV], environment.get(config.SANDBOX_ENV)) or ())
     return {name: value for name, value in environment.items() if is_allowed(name, extra)}
 
 

@@ -16,7 +16,7 @@ import inspect
 import os
 import time
 
-from . import config, sandbox, watchdog
+from . import config, handed, sandbox, watchdog
 from .accounting import Accounting
 from .errors import MediaDecodeCrash, MediaDecodeTimeout, MediaQuarantined
 from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setup, get_engine,
@@ -68,7 +68,9 @@ def call(fn, *args, timeout: float | None = None, path=None, confine: bool = Tru
         kwargs["path"] = path
     if in_sandbox():
         return fn(*args, **kwargs)
-    return _call(fn, args, kwargs, timeout, path_hint(args, kwargs, path), confine)
+    media = path_hint(args, kwargs, path)
+    args, kwargs = handed.hand_media(args, kwargs, media)  # the media's file goes along, open
+    return _call(fn, args, kwargs, timeout, media, confine)
 
 
 class SharedTimeout:
@@ -160,6 +162,7 @@ def call_each(fn, arguments, paths, timeout: float | None = None, parallel: bool
         return []
     if in_sandbox():
         return [fn(*args) for args in arguments]
+    arguments = [handed.hand_media(args, {}, path)[0] for args, path in zip(arguments, paths)]
     timeout = config.timeout() if timeout is None else float(timeout)
     if parallel and len(arguments) > 1:
         return _call_parallel(fn, arguments, paths, timeout, confine)

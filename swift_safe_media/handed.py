@@ -43,6 +43,15 @@ def hand(path):
 
 # -- caller side ---------------------------------------------------------------------------
 
+def hand_media(args: tuple, kwargs: dict, media) -> tuple[tuple, dict]:
+    """The arguments of a call of the engine with the one naming its media (``media``,
+    the call's path) marked to be handed: ``call(fn, clip)`` lets ``fn`` read ``clip``."""
+    if not isinstance(media, str):
+        return args, kwargs
+    mark = lambda value: hand(value) if type(value) is str and value == media else value  # noqa: E731
+    return tuple(mark(value) for value in args), {name: mark(value) for name, value in kwargs.items()}
+
+
 def hand_over(path: str, handed: list) -> tuple:
     """The pickle reduction of a HandedPath: the file opened and its descriptor appended
     to ``handed``; a file that cannot be opened, or is not a regular file, travels as its
