@@ -99,7 +99,7 @@ class Policy:
     seccomp_number: int = -1
     landlock_abi: int = 0
     landlock_access: tuple = ()  # (handled fs rights, handled net rights, scopes)
-    landlock_rules: list = field(default_factory=list)  # (O_PATH descriptor, rights) kept open
+    landlock_rules: list = field(default_factory=list)  # rules whose O_PATH descriptors stay open
     reads_limited: bool = False  # reads only beneath confine_reads.roots() (and /proc/<pid>)
     read_roots: list[str] | None = None
     missing: list[str] = field(default_factory=list)  # layers this kernel lacks, and why
@@ -189,11 +189,12 @@ def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
     wanted = [(device, kernel.FS_WRITE_FILE | (kernel.FS_READ_FILE if policy.reads_limited else 0))
               for device in ["/dev/null", *confine_reads.gpu_devices()]]
     if policy.reads_limited:
-        wanted += [(path, reads) for path, _ in confine_reads.roots(policy.read_roots, extra_readable)]
+        roots = confine_reads.outermost([path for path, _ in confine_reads.roots(policy.read_roots, extra_readable)])
+        wanted += [(path, reads) for path in roots]
     for path, rights in wanted:
-        opened = kernel.open_rule_path(path, rights)
-        if opened is not None:
-            policy.landlock_rules.append(opened)
+        rule = kernel.open_rule_path(path, rights)
+        if rule is not None:
+            policy.landlock_rules.append(rule)
 
 
 # -- applying it (in each sandbox) ---------------------------------------------------------
@@ -214,8 +215,8 @@ def apply(policy: Policy) -> None:
         try:
             kernel.restrict_self(policy.landlock_abi, *policy.landlock_access, rules)
         finally:
-            for fd, _ in [*policy.landlock_rules, *([own_proc] if own_proc else [])]:
-                os.close(fd)  # this sandbox's copies: the zygote keeps its own
+            for rule in [*policy.landlock_rules, *([own_proc] if own_proc else [])]:
+                os.close(rule.parent_fd)  # this sandbox's copies: the zygote keeps its own
             policy.landlock_rules = []
     if policy.seccomp_program:
         kernel.install_seccomp_filter(policy.seccomp_number, policy._fprog)

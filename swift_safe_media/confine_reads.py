@@ -91,6 +91,16 @@ def roots(read_roots=(), extra_readable=()) -> list[tuple[str, str]]:
     return list(found.items())
 
 
+def outermost(paths) -> list[str]:
+    """``paths`` less those beneath another of them (a rule on the outer one covers them)."""
+    ordered = sorted(dict.fromkeys(paths), key=len)
+    kept: list[str] = []
+    for path in ordered:
+        if not any(path == root or path.startswith(root.rstrip("/") + "/") for root in kept):
+            kept.append(path)
+    return kept
+
+
 def _holds_home(path: str) -> bool:
     """True for the home folder and every folder above it (``/`` included)."""
     home = os.path.realpath(os.path.expanduser("~"))
