@@ -189,8 +189,11 @@ def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
     wanted = [(device, kernel.FS_WRITE_FILE | (kernel.FS_READ_FILE if policy.reads_limited else 0))
               for device in ["/dev/null", *confine_reads.gpu_devices()]]
     if policy.reads_limited:
-        roots = confine_reads.outermost([path for path, _ in confine_reads.roots(policy.read_roots, extra_readable)])
-        wanted += [(path, reads) for path in roots]
+        found = confine_reads.roots(policy.read_roots, extra_readable)
+        readable = confine_reads.outermost([path for path, _, kind in found if kind != confine_reads.LIST_ONLY])
+        wanted += [(path, reads) for path in readable]
+        wanted += [(path, kernel.FS_READ_DIR) for path, _, kind in found
+                   if kind == confine_reads.LIST_ONLY and not confine_reads.beneath(path, readable)]
     for path, rights in wanted:
         rule = kernel.open_rule_path(path, rights)
         if rule is not None:
@@ -268,7 +271,7 @@ def describe_reads() -> dict:
                 if roots else "the kernel has no Landlock"}
     return {"limited": True, "media": "the files handed to each decode, as open descriptors",
             "own_proc": "/proc/<sandbox pid> (its /proc/self), no other process's",
-            "roots": {path: why for path, why in confine_reads.roots(roots)}}
+            "roots": {path: why for path, why, _ in confine_reads.roots(roots)}}
 
 
 def abi_reads_unlimited(roots) -> bool:
@@ -300,6 +303,7 @@ def warn_once_if_missing() -> None:
 # How the refused errno shows in messages: Python's "[Errno 3042]", strerror's
 # "Unknown error 3042", FFmpeg's "Error number -3042 occurred".
 _ERRNO_IN_TEXT = re.compile(r"(?:Errno |Unknown error |Error number -?)(\d{4})")
+_PATH_IN_TEXT = re.compile(r"(/[^\s:'\",]+)")
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -330,6 +334,11 @@ def refusal(exc: BaseException) -> str | None:
                 return f"a file write ({target})"
         elif isinstance(exc, PermissionError) and exc.errno == errno.EACCES and _applied["landlock_abi"]:
             return "a file write"  # os.mkfifo, os.mknod and others name no file
+        elif _applied["reads_limited"] and "Permission denied" in str(exc):
+            # A native library that opened a file by name ("Could not open input file: /x ...")
+            for path in _PATH_IN_TEXT.findall(str(exc)):
+                if _unreadable_but_for_landlock(path):
+                    return f"a file access outside {config.READ_ROOTS} and the media handed to the decode ({path})"
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -4,9 +4,10 @@ Landlock allows reads (files and directory listings) only beneath these roots
 (:func:`roots`), each with the reason it is there (``doctor`` and ``swift-safe-media
 confinement`` show them):
 
-- the Python installation and every import path (``sys.prefix``, the standard library,
-  site-packages, ``sys.path``, this package, the caller's script folder), so that a
-  sandbox can still import lazily;
+- the Python installation (``sys.prefix``, the standard library, site-packages), so that a
+  sandbox can still import lazily; of an import path outside it (the script's folder, the
+  working directory ``python -c`` puts on ``sys.path``, ``PYTHONPATH``: folders that may
+  also hold datasets) only its code: the folder's listing, its modules, and its packages;
 - the shared libraries: ``/usr``, ``/lib*``, ``LD_LIBRARY_PATH`` and the folder of every
   library mapped into the zygote when it built the policy (torch's, FFmpeg's, ...);
 - the few system files decoding reads: the loader's cache, locale and time zone, ``/dev/null``
@@ -54,29 +55,40 @@ def reads_anywhere(read_roots) -> bool:
     return any(os.path.realpath(root) == ANYWHERE for root in read_roots or ())
 
 
-def roots(read_roots=(), extra_readable=()) -> list[tuple[str, str]]:
-    """(path, why) for every root a confined sandbox may read below, real paths, existing
-    ones only, each once."""
-    found: dict[str, str] = {}
+LIST_ONLY = "list"  # a folder whose names may be listed, its files not read (an import path's)
+CODE_SUFFIXES = (".py", ".pyc", ".so", ".pth", ".zip", ".egg")
 
-    def add(path, why):
+
+def roots(read_roots=(), extra_readable=()) -> list[tuple[str, str, str]]:
+    """(path, why, kind) for every root a confined sandbox may read below (kind "read"),
+    or only list (``LIST_ONLY``): real paths, existing ones only, each once."""
+    found: dict[str, tuple[str, str]] = {}
+
+    def add(path, why, kind="read"):
         if not path or not os.path.exists(path):
             return
         real = os.path.realpath(path)
         if real not in found and not _holds_home(real):
-            found[real] = why
+            found[real] = (why, kind)
 
     for root in read_roots or ():
         if os.path.exists(root):
-            found.setdefault(os.path.realpath(root), "SWIFT_SAFE_MEDIA_READ_ROOTS")
-    for path in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                 *[sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")]):
+            found.setdefault(os.path.realpath(root), ("SWIFT_SAFE_MEDIA_READ_ROOTS", "read"))
+    installation = [sys.prefix, sys.base_prefix, sys.exec_prefix,
+                    *[sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")]]
+    for path in installation:
         add(path, "the Python installation")
-    add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "this package")
-    for path in sys.path:
-        add(path, "an import path")
-    for path in extra_readable:
-        add(path, "the caller's script")
+    # Import paths outside the installation (the script's folder, the working directory of
+    # `python -c`, PYTHONPATH) may hold datasets: only their code is readable.
+    inside = [os.path.realpath(path) for path in (*installation, *SYSTEM_DIRS) if path]
+    for path, why in [(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "this package"),
+                      *[(path, "an import path") for path in sys.path],
+                      *[(path, "the caller's script") for path in extra_readable]]:
+        if path and os.path.isdir(path) and not beneath(os.path.realpath(path), inside):
+            for code, kind in _code_in(path):
+                add(code, f"{why} (its Python code only)", kind)
+        else:
+            add(path, why)
     for path in SYSTEM_DIRS:
         add(path, "the shared libraries")
     for path in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
@@ -88,15 +100,33 @@ def roots(read_roots=(), extra_readable=()) -> list[tuple[str, str]]:
     if gpu_devices():
         for path in (*gpu_devices(), *GPU_FILES):
             add(path, "the GPU")
-    return list(found.items())
+    return [(path, why, kind) for path, (why, kind) in found.items()]
+
+
+def _code_in(folder: str):
+    """An import path's folder (listed only), its modules, and its packages (folders with
+    an ``__init__.py``) and ``__pycache__``."""
+    yield folder, LIST_ONLY
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_file() and entry.name.endswith(CODE_SUFFIXES):
+            yield entry.path, "read"
+        elif entry.is_dir() and (entry.name == "__pycache__" or os.path.exists(os.path.join(entry.path, "__init__.py"))):
+            yield entry.path, "read"
+
+
+def beneath(path: str, folders) -> bool:
+    return any(path == folder or path.startswith(folder.rstrip("/") + "/") for folder in folders)
 
 
 def outermost(paths) -> list[str]:
     """``paths`` less those beneath another of them (a rule on the outer one covers them)."""
-    ordered = sorted(dict.fromkeys(paths), key=len)
     kept: list[str] = []
-    for path in ordered:
-        if not any(path == root or path.startswith(root.rstrip("/") + "/") for root in kept):
+    for path in sorted(dict.fromkeys(paths), key=len):
+        if not beneath(path, kept):
             kept.append(path)
     return kept
 
