@@ -90,3 +90,29 @@ def _environment_block() -> tuple[int, int]:
         return int(fields[50 - 3]), int(fields[51 - 3])  # fields[0] is field 3 (state)
     except (OSError, IndexError, ValueError):
         return 0, 0
+
+
+# A command-line option whose value is a credential (ms-swift's ``--hub_token``, ``--api_key``, ...).
+_SECRET_OPTION = ("token", "_key", "-key", "apikey", "secret", "password", "passwd", "credentials")
+WITHHELD = "<withheld>"
+
+
+def redacted_argv(argv) -> list[str]:
+    """The caller's ``argv`` for a zygote and its sandboxes (``sys.argv`` there): the value
+    of any option named like a credential replaced by ``<withheld>``."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next and not arg.startswith("-"):
+            out.append(WITHHELD)
+            hide_next = False
+            continue
+        hide_next = False
+        name, equals, _ = arg.partition("=")
+        secret = arg.startswith("-") and name.lower().endswith(_SECRET_OPTION)
+        if secret and equals:
+            out.append(f"{name}={WITHHELD}")
+        else:
+            out.append(arg)
+            hide_next = secret
+    return out
+

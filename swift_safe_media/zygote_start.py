@@ -93,7 +93,7 @@ def preparation(confined: bool = True) -> dict:
         main_path = None  # "<stdin>": nothing a sandbox could load
     return {
         "sys_path": list(sys.path),
-        "argv": list(sys.argv),
+        "argv": confine_env.redacted_argv(sys.argv),  # no --hub_token value in a sandbox
         "cwd": os.getcwd(),
         "main": {"name": main_name, "path": None if main_name else main_path},
         "preload": config.preload_modules(),

@@ -63,10 +63,11 @@ def print_and_fail(size: int):
 
 
 def sandbox_environment():
-    """What a sandbox holds: its pid, its os.environ names, its /proc/self/environ names."""
+    """What a sandbox holds: its pid, its os.environ names, its /proc/self/environ names, its argv."""
     with open("/proc/self/environ", "rb") as block:
         initial = [entry.split(b"=", 1)[0].decode() for entry in block.read().split(b"\0") if entry]
-    return {"pid": os.getpid(), "ppid": os.getppid(), "environ": sorted(os.environ), "initial": initial}
+    return {"pid": os.getpid(), "ppid": os.getppid(), "environ": sorted(os.environ), "initial": initial,
+            "argv": list(sys.argv)}
 
 
 def print_media_error(path):

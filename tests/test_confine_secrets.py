@@ -148,8 +148,12 @@ def test_a_media_error_carries_the_output_in_its_message():
     assert "succeeded" not in str(caught.value)
 
 
-def test_zygote_and_sandbox_hold_no_token(trainer):
+def test_zygote_and_sandbox_hold_no_token(trainer, monkeypatch):
+    # A token on the command line too (`swift sft --hub_token ...`): the sandbox's sys.argv withholds it.
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--hub_token", TOKENS["HF_TOKEN"], "--max_tokens", "5"])
     facts = call(secrets_attacks.sandbox_environment)
+    assert TOKENS["HF_TOKEN"] not in facts["argv"] and facts["argv"][-4:] == ["--hub_token", "<withheld>",
+                                                                             "--max_tokens", "5"]
     for names in (facts["environ"], facts["initial"]):
         assert not set(TOKENS) & set(names), names
     # The zygote, read from outside: its initial environment block holds none either.
