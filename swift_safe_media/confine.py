@@ -212,9 +212,11 @@ def apply(policy: Policy) -> None:
     kernel.set_no_new_privs()
     if policy.landlock_abi:
         rules = list(policy.landlock_rules)
-        own_proc = kernel.open_rule_path(f"/proc/{os.getpid()}", kernel.FS_READ_FILE | kernel.FS_READ_DIR)
-        if policy.reads_limited and own_proc is not None:
-            rules.append(own_proc)
+        own_proc = None
+        if policy.reads_limited:
+            own_proc = kernel.open_rule_path(f"/proc/{os.getpid()}", kernel.FS_READ_FILE | kernel.FS_READ_DIR, True)
+            if own_proc is not None:
+                rules.append(own_proc)
         try:
             kernel.restrict_self(policy.landlock_abi, *policy.landlock_access, rules)
         finally:

@@ -159,7 +159,7 @@ def create_landlock_ruleset(abi: int, handled_fs: int, handled_net: int, scoped:
                    ctypes.c_uint32(0))
 
 
-def open_rule_path(path: str, rights: int):
+def open_rule_path(path: str, rights: int, folder: bool | None = None):
     """A rule allowing ``rights`` beneath ``path`` (a file takes file rights only): the
     path opened here (``O_PATH``) and the rule as the kernel takes it, so that a process
     forked later adds it with one system call; None if the path does not exist. The
@@ -168,7 +168,7 @@ def open_rule_path(path: str, rights: int):
         target = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return None
-    if not os.path.isdir(path):
+    if not (os.path.isdir(path) if folder is None else folder):
         rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
     return _PathBeneath(rights, target)
 

@@ -45,6 +45,16 @@ class _DroppingWriter(io.TextIOBase):
         return len(text)
 
 
+_handlers: list | None = None  # the log handlers writing to stdout or stderr, found by prepare()
+
+
+def prepare() -> None:
+    """In the zygote, once: find the log handlers that write to stdout or stderr (walking
+    every logger after the fork would copy the pages of hundreds of logger objects)."""
+    global _handlers
+    _handlers = _stream_handlers()
+
+
 def capture() -> None:
     global _output_fd
     read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -53,7 +63,7 @@ def capture() -> None:
     os.close(write_end)
     _output_fd = read_end
     out, err = _DroppingWriter(1), _DroppingWriter(2)
-    for handler in _stream_handlers():
+    for handler in _handlers if _handlers is not None else _stream_handlers():
         new = err if handler.stream in (sys.stderr, sys.__stderr__) else \
             out if handler.stream in (sys.stdout, sys.__stdout__) else None
         if new is not None:

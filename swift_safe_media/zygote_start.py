@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 
-from . import config, confine, confine_env, run_folders, sandbox
+from . import config, confine, confine_env, confine_output, run_folders, sandbox
 
 log = logging.getLogger("swift_safe_media")
 
@@ -125,6 +125,7 @@ def prepare_confinement(prep: dict) -> confine.Policy | None:
     if not prep["confine"]:
         return None
     main_path = prep["main"].get("path")
+    confine_output.prepare()
     return confine.prepare(prep["read_roots"], [os.path.dirname(main_path)] if main_path else [])
 
 
