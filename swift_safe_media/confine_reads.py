@@ -89,6 +89,8 @@ def roots(read_roots=(), extra_readable=()) -> list[tuple[str, str, str]]:
                 add(code, f"{why} (its Python code only)", kind)
         else:
             add(path, why)
+            for target in _link_targets(path):  # a site-packages whose entries link elsewhere
+                add(target, f"{why} (where its links lead)")
     for path in SYSTEM_DIRS:
         add(path, "the shared libraries")
     for path in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
@@ -116,6 +118,14 @@ def _code_in(folder: str):
             yield entry.path, "read"
         elif entry.is_dir() and (entry.name == "__pycache__" or os.path.exists(os.path.join(entry.path, "__init__.py"))):
             yield entry.path, "read"
+
+
+def _link_targets(folder: str) -> list[str]:
+    """Where the symbolic links directly in ``folder`` lead (a venv that links its packages)."""
+    try:
+        return [os.path.realpath(entry.path) for entry in os.scandir(folder) if entry.is_symlink()]
+    except OSError:
+        return []
 
 
 def beneath(path: str, folders) -> bool:
