@@ -12,8 +12,12 @@ that each hold alone:
   bypass the filter);
 - Landlock (the best ABI the kernel has) refusing every file write, create, remove,
   rename, link and truncate, TCP bind/connect (ABI 4), abstract Unix sockets and
-  signals outside the sandbox (ABI 6); reads stay allowed everywhere, or only below
-  ``SWIFT_SAFE_MEDIA_READ_ROOTS`` plus what the interpreter itself needs.
+  signals outside the sandbox (ABI 6), and every read but what decoding needs
+  (:mod:`.confine_reads`; the media comes as descriptors, :mod:`.handed`), widened by
+  ``SWIFT_SAFE_MEDIA_READ_ROOTS``.
+
+What a sandbox holds and prints besides: :mod:`.confine_env` (an allow-listed
+environment), :mod:`.confine_output` (its stdout and stderr, captured).
 
 A refused call fails with an errno of ``REFUSED_ERRNO_BASE`` + its syscall number
 rather than killing the sandbox, so the refusal reaches the caller as an error that
@@ -21,7 +25,8 @@ rather than killing the sandbox, so the refusal reaches the caller as an error t
 ``OSError`` or inside an FFmpeg message ("Unknown error 3042"). Landlock refusals are
 plain EACCES; ``refusal()`` names them when the file's own permissions would allow the
 write. The policy is built once per zygote (``prepare``) and applied in each forked
-sandbox with three system calls (``apply``); the kernel interfaces are in
+sandbox (``apply``: its Landlock rules, laid out in the zygote, one system call each, and
+its own ``/proc/<pid>``; then the filter); the kernel interfaces are in
 :mod:`.confine_kernel`, so confinement costs no start-up time
 one can measure.
 """
