@@ -121,7 +121,12 @@ START_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_START_TIMEOUT", FLOAT, DEFAULT_START_
 CONFINE = _declare("SWIFT_SAFE_MEDIA_CONFINE", SWITCH, True,
                    "`0`: decode sandboxes run unconfined (see Confinement)")
 READ_ROOTS = _declare("SWIFT_SAFE_MEDIA_READ_ROOTS", TEXT, None,  # os.pathsep-separated, like PATH
-                      "`os.pathsep`-separated folders a confined sandbox may read media from")
+                      "`os.pathsep`-separated folders a confined sandbox may read besides the media handed "
+                      "to it and what the decoding libraries need")
+SANDBOX_ENV = _declare("SWIFT_SAFE_MEDIA_SANDBOX_ENV", LIST, "",
+                       "more environment variables zygote and sandboxes keep (they start from an allow-list: "
+                       "locale, thread and FFmpeg variables, the hosts' decode settings; never the trainer's "
+                       "tokens)")
 CONFINE_WARNED = _declare("SWIFT_SAFE_MEDIA_CONFINE_WARNED", SWITCH, False,
                           "the log said once that a confinement layer is missing here", internal=True)
 # DataLoader workers.
@@ -258,10 +263,9 @@ def confine() -> bool:
 
 
 def read_roots() -> list[str] | None:
-    """Folders a confined sandbox may read media from; None: anywhere."""
-    raw = get(READ_ROOTS)
-    if not raw or not raw.strip():
-        return None
+    """Folders a confined sandbox may read besides the media handed to it and what the
+    decoding libraries need (``/``: anywhere)."""
+    raw = get(READ_ROOTS) or ""
     return [os.path.abspath(os.path.expanduser(root.strip())) for root in raw.split(os.pathsep) if root.strip()]
 
 

@@ -12,8 +12,12 @@ that each hold alone:
   bypass the filter);
 - Landlock (the best ABI the kernel has) refusing every file write, create, remove,
   rename, link and truncate, TCP bind/connect (ABI 4), abstract Unix sockets and
-  signals outside the sandbox (ABI 6); reads stay allowed everywhere, or only below
-  ``SWIFT_SAFE_MEDIA_READ_ROOTS`` plus what the interpreter itself needs.
+  signals outside the sandbox (ABI 6), and every read but what decoding needs
+  (:mod:`.confine_reads`; the media comes as descriptors, :mod:`.handed`), widened by
+  ``SWIFT_SAFE_MEDIA_READ_ROOTS``.
+
+What a sandbox holds and prints besides: :mod:`.confine_env` (an allow-listed
+environment), :mod:`.confine_output` (its stdout and stderr, captured).
 
 A refused call fails with an errno of ``REFUSED_ERRNO_BASE`` + its syscall number
 rather than killing the sandbox, so the refusal reaches the caller as an error that
@@ -21,7 +25,8 @@ rather than killing the sandbox, so the refusal reaches the caller as an error t
 ``OSError`` or inside an FFmpeg message ("Unknown error 3042"). Landlock refusals are
 plain EACCES; ``refusal()`` names them when the file's own permissions would allow the
 write. The policy is built once per zygote (``prepare``) and applied in each forked
-sandbox with three system calls (``apply``); the kernel interfaces are in
+sandbox (``apply``: its Landlock rules, laid out in the zygote, one system call each, and
+its own ``/proc/<pid>``; then the filter); the kernel interfaces are in
 :mod:`.confine_kernel`, so confinement costs no start-up time
 one can measure.
 """
@@ -30,14 +35,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import glob
 import logging
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 
-from . import config
+from . import config, confine_reads
 from . import confine_kernel as kernel
 from .confine_kernel import landlock_abi, seccomp_available  # noqa: F401  (part of this module's API)
 
@@ -98,8 +102,10 @@ class Policy:
 
     seccomp_program: bytes | None = None
     seccomp_number: int = -1
-    landlock_fd: int = -1
     landlock_abi: int = 0
+    landlock_access: tuple = ()  # (handled fs rights, handled net rights, scopes)
+    landlock_rules: list = field(default_factory=list)  # rules whose O_PATH descriptors stay open
+    reads_limited: bool = False  # reads only beneath confine_reads.roots() (and /proc/<pid>)
     read_roots: list[str] | None = None
     missing: list[str] = field(default_factory=list)  # layers this kernel lacks, and why
     # The filter as the kernel takes it, made here so a forked sandbox only passes a pointer.
@@ -108,9 +114,10 @@ class Policy:
 
 
 def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
-    """Build the seccomp program and the Landlock ruleset; never raises (a layer that
+    """Build the seccomp program and the Landlock rules; never raises (a layer that
     cannot be built is listed in ``missing`` and left out)."""
-    policy = Policy(read_roots=read_roots)
+    read_roots = list(read_roots or [])
+    policy = Policy(read_roots=read_roots, reads_limited=not confine_reads.reads_anywhere(read_roots))
     problem = seccomp_available()
     if problem is None:
         try:
@@ -128,7 +135,7 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
         policy.missing.append("the kernel has no Landlock")
     else:
         try:
-            policy.landlock_fd = _build_landlock_ruleset(abi, read_roots, extra_readable)
+            _open_landlock_rules(policy, abi, extra_readable)
             policy.landlock_abi = abi
         except OSError as exc:
             policy.missing.append(f"Landlock ruleset not built: {exc}")
@@ -175,37 +182,27 @@ def _rights(table, abi: int) -> int:
     return bits
 
 
-def _build_landlock_ruleset(abi: int, read_roots, extra_readable) -> int:
+def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
+    """The Landlock rights and rules, their paths opened here (``O_PATH``) once per zygote:
+    each sandbox builds its ruleset from them, adding its own ``/proc/<pid>``."""
     handled_fs = _rights(_FS_WRITE_RIGHTS, abi) | kernel.FS_EXECUTE
-    if read_roots is not None:
-        handled_fs |= kernel.FS_READ_FILE | kernel.FS_READ_DIR
-    fd = kernel.create_landlock_ruleset(abi, handled_fs, _rights(_NET_RIGHTS, abi), _rights(_SCOPES, abi))
-    try:
-        # Writing to /dev/null (and GPU device nodes, for users' CUDA decodes) changes nothing.
-        for device in ["/dev/null", *glob.glob("/dev/nvidia*"), *glob.glob("/dev/dri/renderD*")]:
-            reads = kernel.FS_READ_FILE if read_roots is not None else 0
-            kernel.allow_beneath(fd, device, kernel.FS_WRITE_FILE | reads)
-        if read_roots is not None:
-            for root in readable_roots(read_roots, extra_readable):
-                kernel.allow_beneath(fd, root, kernel.FS_READ_FILE | kernel.FS_READ_DIR)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def readable_roots(read_roots, extra_readable=()) -> list[str]:
-    """The configured roots plus what the interpreter and its libraries read."""
-    system = ["/usr", "/lib", "/lib64", "/lib32", "/etc", "/proc", "/sys", "/dev", "/opt",
-              sys.prefix, sys.base_prefix, sys.exec_prefix,
-              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    found = []
-    for root in [*read_roots, *system, *sys.path, *extra_readable]:
-        if root and os.path.exists(root):
-            real = os.path.realpath(root)
-            if real not in found:
-                found.append(real)
-    return found
+    reads = kernel.FS_READ_FILE | kernel.FS_READ_DIR
+    if policy.reads_limited:
+        handled_fs |= reads
+    policy.landlock_access = (handled_fs, _rights(_NET_RIGHTS, abi), _rights(_SCOPES, abi))
+    # Writing to /dev/null (and GPU device nodes, for users' CUDA decodes) changes nothing.
+    wanted = [(device, kernel.FS_WRITE_FILE | (kernel.FS_READ_FILE if policy.reads_limited else 0))
+              for device in ["/dev/null", *confine_reads.gpu_devices()]]
+    if policy.reads_limited:
+        found = confine_reads.roots(policy.read_roots, extra_readable)
+        readable = confine_reads.outermost([path for path, _, kind in found if kind != confine_reads.LIST_ONLY])
+        wanted += [(path, reads) for path in readable]
+        wanted += [(path, kernel.FS_READ_DIR) for path, _, kind in found
+                   if kind == confine_reads.LIST_ONLY and not confine_reads.beneath(path, readable)]
+    for path, rights in wanted:
+        rule = kernel.open_rule_path(path, rights)
+        if rule is not None:
+            policy.landlock_rules.append(rule)
 
 
 # -- applying it (in each sandbox) ---------------------------------------------------------
@@ -218,15 +215,25 @@ def apply(policy: Policy) -> None:
     be installed (the sandbox must then not serve calls)."""
     global _applied
     kernel.set_no_new_privs()
-    if policy.landlock_fd >= 0:
-        kernel.landlock_restrict_self(policy.landlock_fd)
-        os.close(policy.landlock_fd)
+    if policy.landlock_abi:
+        rules = list(policy.landlock_rules)
+        own_proc = None
+        if policy.reads_limited:
+            own_proc = kernel.open_rule_path(f"/proc/{os.getpid()}", kernel.FS_READ_FILE | kernel.FS_READ_DIR, True)
+            if own_proc is not None:
+                rules.append(own_proc)
+        try:
+            kernel.restrict_self(policy.landlock_abi, *policy.landlock_access, rules)
+        finally:
+            for rule in [*policy.landlock_rules, *([own_proc] if own_proc else [])]:
+                os.close(rule.parent_fd)  # this sandbox's copies: the zygote keeps its own
+            policy.landlock_rules = []
     if policy.seccomp_program:
         kernel.install_seccomp_filter(policy.seccomp_number, policy._fprog)
     # Imports after this point cannot write their bytecode caches: do not try.
     sys.dont_write_bytecode = True
     _applied = {"seccomp": bool(policy.seccomp_program), "landlock_abi": policy.landlock_abi,
-                "read_roots": policy.read_roots}
+                "read_roots": policy.read_roots, "reads_limited": bool(policy.landlock_abi and policy.reads_limited)}
 
 
 def status_here() -> dict:
@@ -237,10 +244,11 @@ def status_here() -> dict:
             key, _, value = line.partition(":")
             if key in ("NoNewPrivs", "Seccomp", "Seccomp_filters"):
                 flags[key] = int(value.split()[0])
-    applied = _applied or {"seccomp": False, "landlock_abi": 0, "read_roots": None}
+    applied = _applied or {"seccomp": False, "landlock_abi": 0, "read_roots": None, "reads_limited": False}
     return {"pid": os.getpid(), "no_new_privs": flags.get("NoNewPrivs") == 1,
             "seccomp": flags.get("Seccomp") == 2, "landlock_abi": applied["landlock_abi"],
-            "read_roots": applied["read_roots"]}
+            "read_roots": applied["read_roots"], "reads_limited": applied["reads_limited"],
+            "environment": sorted(os.environ)}
 
 
 def status() -> dict:
@@ -255,9 +263,44 @@ def status() -> dict:
         "seccomp": on and seccomp_problem is None,
         "landlock_abi": abi if on else 0,
         "read_roots": config.read_roots() if on else None,
+        "reads": describe_reads() if on else None,
+        "environment": describe_environment() if on else None,
         "refused": describe_refused() if on else None,
         "missing": [p for p in (seccomp_problem, None if abi else "the kernel has no Landlock") if p],
     }
+
+
+def describe_reads() -> dict:
+    """What a confined sandbox started from here may read (for doctor and the CLI)."""
+    roots = config.read_roots()
+    if abi_reads_unlimited(roots):
+        return {"limited": False, "why": "SWIFT_SAFE_MEDIA_READ_ROOTS includes / (reads anywhere)"
+                if roots else "the kernel has no Landlock"}
+    return {"limited": True, "media": "the files handed to each decode, as open descriptors",
+            "own_proc": "/proc/<sandbox pid> (its /proc/self), no other process's",
+            "roots": {path: why for path, why, _ in confine_reads.roots(roots)}}
+
+
+def abi_reads_unlimited(roots) -> bool:
+    return landlock_abi() <= 0 or confine_reads.reads_anywhere(roots)
+
+
+def opens_by_name() -> bool:
+    """Whether a confined sandbox can open a media file by its name. Where reads are limited
+    it cannot (the media comes as a descriptor, and Landlock refuses reopening it through
+    /proc/self/fd): code we do not own that opens the file natively by name (the stock
+    entry points of :mod:`.decoders.stock`, LLaMA-Factory's plugins) then runs in an
+    unconfined sandbox, still isolated, bounded and with the allow-listed environment."""
+    return abi_reads_unlimited(config.read_roots())
+
+
+def describe_environment() -> dict:
+    """The environment policy: what sandboxes keep, and the names (never values) withheld here."""
+    from . import confine_env
+
+    return {"kept": "allow-list: locale, thread-pool and FFmpeg variables, the hosts' decode settings, "
+                    "SWIFT_SAFE_MEDIA_*, plus SWIFT_SAFE_MEDIA_SANDBOX_ENV",
+            "kept_here": sorted(confine_env.allowed()), "withheld_here": confine_env.withheld()}
 
 
 def warn_once_if_missing() -> None:
@@ -276,6 +319,7 @@ def warn_once_if_missing() -> None:
 # How the refused errno shows in messages: Python's "[Errno 3042]", strerror's
 # "Unknown error 3042", FFmpeg's "Error number -3042 occurred".
 _ERRNO_IN_TEXT = re.compile(r"(?:Errno |Unknown error |Error number -?)(\d{4})")
+_PATH_IN_TEXT = re.compile(r"(/[^\s:'\",]+)")
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -298,14 +342,19 @@ def refusal(exc: BaseException) -> str | None:
                     names = {n: name for name, n in syscall_numbers().items()}
                 return names.get(syscall, f"syscall {syscall}")
         if isinstance(exc, PermissionError) and exc.filename is not None:
-            if _applied["read_roots"] is not None and _unreadable_but_for_landlock(exc.filename):
-                return f"a file access outside {config.READ_ROOTS} ({exc.filename})"
+            if _applied["reads_limited"] and _unreadable_but_for_landlock(exc.filename):
+                return f"a file access outside {config.READ_ROOTS} and the media handed to the decode ({exc.filename})"
             if _writable_but_for_landlock(exc.filename) or (
                     exc.filename2 is not None and _writable_but_for_landlock(exc.filename2)):
                 target = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
                 return f"a file write ({target})"
         elif isinstance(exc, PermissionError) and exc.errno == errno.EACCES and _applied["landlock_abi"]:
             return "a file write"  # os.mkfifo, os.mknod and others name no file
+        elif _applied["reads_limited"] and "Permission denied" in str(exc):
+            # A native library that opened a file by name ("Could not open input file: /x ...")
+            for path in _PATH_IN_TEXT.findall(str(exc)):
+                if _unreadable_but_for_landlock(path):
+                    return f"a file access outside {config.READ_ROOTS} and the media handed to the decode ({path})"
         exc = exc.__cause__ or exc.__context__
     return None
 

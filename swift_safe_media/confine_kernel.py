@@ -169,21 +169,18 @@ def create_landlock_ruleset(abi: int, handled_fs: int, handled_net: int, scoped:
                    ctypes.c_uint32(0))
 
 
-def allow_beneath(ruleset_fd: int, path: str, rights: int) -> None:
-    """Allow ``rights`` below ``path`` (a file takes file rights only); a path that does
-    not exist is skipped."""
+def open_rule_path(path: str, rights: int, folder: bool | None = None):
+    """A rule allowing ``rights`` beneath ``path`` (a file takes file rights only): the
+    path opened here (``O_PATH``) and the rule as the kernel takes it, so that a process
+    forked later adds it with one system call; None if the path does not exist. The
+    descriptor is the rule's ``parent_fd``: close it once the rule is added."""
     try:
         target = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except OSError:
-        return
-    try:
-        if not os.path.isdir(path):
-            rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
-        rule = _PathBeneath(rights, target)
-        syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset_fd),
-                ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), ctypes.byref(rule), ctypes.c_uint32(0))
-    finally:
-        os.close(target)
+        return None
+    if not (os.path.isdir(path) if folder is None else folder):
+        rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
+    return _PathBeneath(rights, target)
 
 
 # -- installing (in the process to confine) ------------------------------------------------
@@ -194,8 +191,23 @@ def set_no_new_privs() -> None:
         raise OSError(err, f"PR_SET_NO_NEW_PRIVS: {os.strerror(err)}")
 
 
-def landlock_restrict_self(ruleset_fd: int) -> None:
-    syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset_fd), ctypes.c_uint32(0))
+_ADD_RULE = (ctypes.c_long(SYS_LANDLOCK_ADD_RULE), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH))
+
+
+def restrict_self(abi: int, handled_fs: int, handled_net: int, scoped: int, rules) -> None:
+    """Build a ruleset from ``rules`` (made by :func:`open_rule_path`) and restrict this
+    thread (and the threads it starts) to it."""
+    ruleset = create_landlock_ruleset(abi, handled_fs, handled_net, scoped)
+    try:
+        number, kind = _ADD_RULE
+        ruleset_arg, flags = ctypes.c_int(ruleset), ctypes.c_uint32(0)
+        for rule in rules:
+            if libc.syscall(number, ruleset_arg, kind, ctypes.byref(rule), flags) < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"landlock_add_rule: {os.strerror(err)}")
+        syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset_arg, flags)
+    finally:
+        os.close(ruleset)
 
 
 def install_seccomp_filter(seccomp_number: int, fprog: SockFprog) -> None:

@@ -146,9 +146,25 @@ def confinement() -> str:
     except Exception as exc:  # the report must go on
         return f"unknown ({type(exc).__name__}: {exc})"
     if isinstance(status, dict):
-        return ", ".join(f"{key} {len(value) if isinstance(value, (list, tuple)) else value}"
-                         for key, value in status.items())
+        return ", ".join(_confinement_item(key, value) for key, value in status.items())
     return str(status)
+
+
+def _confinement_item(key, value) -> str:
+    """One setting of ``confine.status()``, short: the read and environment policies in words."""
+    if key == "reads" and isinstance(value, dict):
+        if not value.get("limited"):
+            return f"reads anywhere ({value.get('why')})"
+        return (f"reads only the media handed to each decode, its own /proc/<pid> and {len(value.get('roots') or ())} "
+                f"roots (Python, shared libraries, system files; `swift-safe-media confinement` lists them)")
+    if key == "environment" and isinstance(value, dict):
+        withheld = value.get("withheld_here") or []
+        shown = ", ".join(withheld[:10]) + (f" and {len(withheld) - 10} more" if len(withheld) > 10 else "")
+        return (f"environment allow-listed ({len(value.get('kept_here') or ())} variables kept; "
+                f"withheld here: {shown or 'none'})")
+    if isinstance(value, dict):
+        return f"{key} {sum(len(item) if isinstance(item, (list, tuple)) else 1 for item in value.values())}"
+    return f"{key} {len(value) if isinstance(value, (list, tuple)) else value}"
 
 
 # --- the screen ---------------------------------------------------------------------

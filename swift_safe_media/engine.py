@@ -17,7 +17,7 @@ import logging
 import os
 import time
 
-from . import config, faults, sandbox, watchdog
+from . import config, faults, handed, sandbox, watchdog
 from .accounting import Accounting
 from .errors import (MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,
                      MediaQuarantined)
@@ -77,7 +77,9 @@ def call(fn, *args, timeout: float | None = None, path=None, confine: bool = Tru
         kwargs["path"] = path
     if in_sandbox():
         return fn(*args, **kwargs)
-    return _call(fn, args, kwargs, timeout, path_hint(args, kwargs, path), confine)
+    media = path_hint(args, kwargs, path)
+    args, kwargs = handed.hand_media(args, kwargs, media)  # the media's file goes along, open
+    return _call(fn, args, kwargs, timeout, media, confine)
 
 
 class SharedTimeout:
@@ -177,6 +179,7 @@ def call_each(fn, arguments, paths, timeout: float | None = None, parallel: bool
         return []
     if in_sandbox():
         return [fn(*args) for args in arguments]
+    arguments = [handed.hand_media(args, {}, path)[0] for args, path in zip(arguments, paths)]
     timeout = config.timeout() if timeout is None else float(timeout)
     if parallel and len(arguments) > 1:
         return _call_parallel(fn, arguments, paths, timeout, confine)

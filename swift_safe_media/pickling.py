@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import pickle
 
+from .handed import HandedPath, hand_over
+
 
 class Pickler(pickle.Pickler):
-    """A pickler whose tensors, images and strided arrays travel out of band."""
+    """A pickler whose tensors, images and strided arrays travel out of band, and whose
+    handed media paths travel as open descriptors (when ``handed`` is a list: a request)."""
+
+    handed: list | None = None
 
     def reducer_override(self, obj):
+        if type(obj) is HandedPath:
+            return hand_over(obj, self.handed) if self.handed is not None else (HandedPath, (str(obj),))
         module = type(obj).__module__
         if module.startswith("torch"):
             return _reduce_tensor(obj)

@@ -24,7 +24,7 @@ import threading
 import traceback
 import types
 
-from . import config, confine, errors, faults, process, transport
+from . import config, confine, confine_output, errors, faults, handed, process, transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -62,12 +62,14 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy
     watchdog.answer_stack_dumps()
 
     mark_in_sandbox()
+    handed.install_open_hook()
     if policy is not None:
         try:
             confine.apply(policy)
         except OSError as exc:  # never serve unconfined when confinement was asked for
             sys.stderr.write(f"swift_safe_media: sandbox pid {os.getpid()} could not be confined: {exc}\n")
             os._exit(71)
+        confine_output.capture()
     serve(conn, memory_cap_mb)
 
 
@@ -108,6 +110,7 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
         except (EOFError, ConnectionError):
             os._exit(0)
         except BaseException as exc:
+            handed.release()
             _reply_error(conn, exc, memory_cap_mb)
             continue
         if kind == transport.RETURN_BLOCKS:
@@ -121,6 +124,8 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
             continue
         finally:
             fn = args = kwargs = None
+            handed.release()  # the request's media descriptors
+        confine_output.take()  # a call that succeeded: what it printed goes nowhere
         try:
             transport.send(conn, transport.RESULT, result, arena=arena)
         except (BrokenPipeError, ConnectionError):
@@ -192,6 +197,9 @@ def _reply_error(conn, exc: BaseException, memory_cap_mb: int) -> None:
         detail = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
         cause, exc = exc, errors.MediaDecodeError(getattr(exc, "path", None), f"sandbox refused {refused}: {detail}")
         exc.__cause__ = cause
+    output = confine_output.take()
+    if output:
+        confine_output.add_to_error(exc, output)
     details = {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": exc.reason if isinstance(exc, errors.MediaDecodeError) else str(exc),

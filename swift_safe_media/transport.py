@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 
-from . import pickling
+from . import handed, pickling
 
 # kind, pickle length, buffer count, memfd bytes used, arena block id (0: not lent)
 _HEADER = struct.Struct("!BQIQQ")
@@ -104,7 +104,14 @@ def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int
         return False
 
     stream = io.BytesIO()
-    pickling.Pickler(stream, protocol=5, buffer_callback=route).dump(obj)
+    pickler = pickling.Pickler(stream, protocol=5, buffer_callback=route)
+    if kind == REQUEST:
+        pickler.handed = []  # media files handed to the sandbox (see handed)
+    try:
+        pickler.dump(obj)
+    except BaseException:
+        _close_all(pickler.handed or ())
+        raise
     spans, size = [], 0
     for view in buffers:
         spans.append((size, view.nbytes))
@@ -126,7 +133,29 @@ def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int
         pickling.Pickler(stream, protocol=5).dump(obj)
     body = stream.getvalue()
     table = b"".join(_SPAN.pack(*span) for span in spans)
-    return _HEADER.pack(kind, len(body), len(spans), size, block_id) + table + body, fd, owned
+    message = _HEADER.pack(kind, len(body), len(spans), size, block_id) + table + body
+    if pickler.handed:
+        message = _WithHanded(message)
+        message.handed = pickler.handed
+    return message, fd, owned
+
+
+class _WithHanded(bytes):
+    """A message and the media descriptors that ride with it (after the memfd, if any):
+    closed once sent, or when the message is dropped unsent."""
+
+    handed: list
+
+    def __del__(self):
+        _close_all(self.handed)
+
+
+def _close_all(fds) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
 
 
 def _copy_into(target, buffers, spans) -> None:
@@ -154,15 +183,18 @@ def send(sock: socket.socket, kind: int, obj, deadline: float | None = None,
 def send_encoded(sock: socket.socket, message: bytes, fd: int, owned: bool,
                  deadline: float | None = None) -> None:
     """Send what :func:`encode` made, closing ``fd`` afterwards if ``owned``."""
+    handed = getattr(message, "handed", None) or []
     try:
         _set_deadline(sock, deadline)
-        if fd < 0:
+        fds = ([fd] if fd >= 0 else []) + handed
+        if not fds:
             sock.sendall(message)
             return
-        sent = socket.send_fds(sock, [message], [fd])
+        sent = socket.send_fds(sock, [message], fds)
         if sent < len(message):
             sock.sendall(memoryview(message)[sent:])
     finally:
+        _close_all(handed)
         if owned:
             os.close(fd)
 
@@ -174,7 +206,8 @@ def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle
     Buffers lent from the peer's arena are viewed through ``blocks``, which learns when
     nothing views them any more."""
     _set_deadline(sock, deadline)
-    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1)
+    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 1 + handed.MAX_HANDED)
+    kept: set[int] = set()
     try:
         if not head:
             raise EOFError("peer closed the connection")
@@ -193,10 +226,16 @@ def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle
                 offset, length = _SPAN.unpack_from(rest, index * _SPAN.size)
                 buffers.append(whole[offset:offset + length])
         body = memoryview(rest)[count * _SPAN.size:]
-        return kind, unpickler(io.BytesIO(body), buffers=buffers).load()
+        handed.receiving(fds[1:] if count else fds)
+        try:
+            return kind, unpickler(io.BytesIO(body), buffers=buffers).load()
+        finally:
+            kept = set(handed.taken())
+            handed.receiving(None)
     finally:
         for fd in fds:
-            os.close(fd)
+            if fd not in kept:
+                os.close(fd)
 
 
 class MappedBlocks:

@@ -228,7 +228,9 @@ def fork_zygote(zygote_end, listener):
 
 
 def _zygote_child(zygote_end, listener) -> None:
-    from . import zygote
+    from . import confine_env, zygote
+
+    confine_env.scrub()  # forked from a process holding the trainer's environment
 
     zygote.zygote_main(zygote_end.detach(), listener.detach())
 

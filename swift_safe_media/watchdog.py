@@ -211,6 +211,7 @@ class Watchdog:
             except (ProcessLookupError, PermissionError):
                 continue
             time.sleep(0.3)  # one at a time, so their stacks do not interleave on the shared stderr
+            _show_captured(pid)
 
     def abort(self) -> None:
         log.error("swift_safe_media: aborting the stalled run (exit code %d)", STALL_EXIT_CODE)
@@ -287,3 +288,17 @@ def _next_watched(original_next, iterator):
 
 def _iteration_ended(watchdog: Watchdog) -> None:
     watchdog.iterating -= 1
+
+
+def _show_captured(pid: int) -> None:
+    """A confined sandbox dumps its stacks into its capture pipe (confine_output): shown
+    here line by line, escaped and marked, so nothing it printed passes for a line of ours."""
+    from . import confine_output
+
+    output = confine_output.read_from(pid)
+    if not output:
+        return
+    for line in output.decode("utf-8", "backslashreplace").splitlines():
+        sys.stderr.write(f"  | {confine_output.escaped(line.encode())}\n")
+    sys.stderr.flush()
+

@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 
-from . import config, confine, run_folders, sandbox
+from . import config, confine, confine_env, confine_output, run_folders, sandbox
 
 log = logging.getLogger("swift_safe_media")
 
@@ -50,7 +50,7 @@ def popen_zygote(zygote_end: socket.socket, listener: socket.socket | None = Non
 
 
 def zygote_environment() -> dict:
-    env = dict(os.environ)
+    env = confine_env.allowed()  # never the trainer's tokens (confine_env)
     # The budget is resolved here, where the DataLoader's worker count is known, and each
     # sandbox sizes its pools to it after the fork; the zygote imports with pools of one
     # thread, since a pool started at import would leave it unsafe to fork.
@@ -62,10 +62,11 @@ def zygote_environment() -> dict:
 
 
 def environment_for_sandbox() -> dict:
-    """The caller's environment, which a sandbox takes instead of the zygote's: the caller
-    may have changed it since the zygote started (a shared zygote starts at ``enable()``),
-    and the thread budget is resolved here, where the DataLoader's worker count is known."""
-    environment = {name: value for name, value in os.environ.items() if name != config.ZYGOTE}
+    """The caller's environment (its allowed part, :mod:`.confine_env`), which a sandbox
+    takes instead of the zygote's: the caller may have changed it since the zygote started
+    (a shared zygote starts at ``enable()``), and the thread budget is resolved here, where
+    the DataLoader's worker count is known."""
+    environment = {name: value for name, value in confine_env.allowed().items() if name != config.ZYGOTE}
     environment[config.THREADS] = str(config.decoder_threads())
     # Pools are sized by that budget after the fork (sandbox._limit_threads); a library a
     # sandbox imports later starts with one thread, as in the zygote.
@@ -74,10 +75,11 @@ def environment_for_sandbox() -> dict:
 
 
 def take_environment(environment: dict) -> None:
-    """The caller's environment replaces the zygote's (the caller may have changed it)."""
+    """The caller's environment replaces the zygote's (the caller may have changed it);
+    only its allowed names, whoever sent it."""
     if environment:
         os.environ.clear()
-        os.environ.update(environment)
+        os.environ.update(confine_env.allowed(environment))
 
 
 def preparation(confined: bool = True) -> dict:
@@ -91,7 +93,7 @@ def preparation(confined: bool = True) -> dict:
         main_path = None  # "<stdin>": nothing a sandbox could load
     return {
         "sys_path": list(sys.path),
-        "argv": list(sys.argv),
+        "argv": confine_env.redacted_argv(sys.argv),  # no --hub_token value in a sandbox
         "cwd": os.getcwd(),
         "main": {"name": main_name, "path": None if main_name else main_path},
         "preload": config.preload_modules(),
@@ -123,6 +125,7 @@ def prepare_confinement(prep: dict) -> confine.Policy | None:
     if not prep["confine"]:
         return None
     main_path = prep["main"].get("path")
+    confine_output.prepare()
     return confine.prepare(prep["read_roots"], [os.path.dirname(main_path)] if main_path else [])
 
 
@@ -148,7 +151,7 @@ def fork_is_safe() -> bool:
 
 
 def exec_sandbox(sandbox_end, prep, memory_cap_mb, environment) -> int:
-    env = dict(environment or os.environ)
+    env = confine_env.allowed(environment or os.environ)
     env.update({name: "1" for name in config.THREAD_ENV_VARS})  # its imports, as the zygote's
     env[_PREP_ENV] = json.dumps(prep)
     os.set_inheritable(sandbox_end.fileno(), True)

@@ -15,6 +15,22 @@ def fresh_engine():
     swift_safe_media.shutdown()
 
 
+@pytest.fixture
+def readable(monkeypatch):
+    """``readable(folder, ...)``: confined sandboxes may read these folders too (a test of
+    hangs that opens a FIFO or loads a library by name, which confinement would refuse
+    first); the engine restarts (the zygote builds its read rules as it starts) before the
+    test goes on."""
+
+    def allow(*folders):
+        monkeypatch.setenv("SWIFT_SAFE_MEDIA_READ_ROOTS", os.pathsep.join(str(folder) for folder in folders))
+        swift_safe_media.shutdown()
+        swift_safe_media.call(os.getpid)  # started again before the test times anything
+
+    yield allow
+    swift_safe_media.shutdown()
+
+
 @pytest.fixture(scope="session")
 def spin_library(tmp_path_factory):
     """A native busy loop; called through ctypes.PyDLL it spins while holding the GIL."""
@@ -27,7 +43,10 @@ def spin_library(tmp_path_factory):
 
 
 @pytest.fixture
-def fifo(tmp_path):
+def fifo(tmp_path, readable):
+    """A FIFO no one writes to: opening it hangs. Its folder is readable to confined
+    sandboxes, which would otherwise refuse the open before it could hang."""
+    readable(tmp_path)
     path = tmp_path / "clip.wav"
     os.mkfifo(path)
     return str(path)

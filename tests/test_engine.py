@@ -66,7 +66,8 @@ def test_native_call_holding_the_gil_times_out():
     assert_engine_usable(previous)
 
 
-def test_native_busy_loop_holding_the_gil_times_out(spin_library, monkeypatch):
+def test_native_busy_loop_holding_the_gil_times_out(spin_library, readable, monkeypatch):
+    readable(os.path.dirname(spin_library))
     # How soon the kill comes, so no time waiting for a CPU is added to the timeout on
     # this busy machine (the fair clock has its own tests: test_machine_faults.py).
     monkeypatch.setenv(config.TIMEOUT_CEILING, "1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 
+from .. import handed
 from ..errors import MediaDecodeError, is_out_of_memory, short_reason, typed_entry
 from . import audio_pyav, demuxers, families, guards, inputs
 
@@ -33,7 +34,8 @@ def _read_soundfile(label, data, limits, offset, duration):
     import soundfile
 
     try:
-        with soundfile.SoundFile(data if isinstance(data, str) else io.BytesIO(data)) as f:
+        # A path: libsndfile reads the descriptor the caller handed (it opens nothing by name).
+        with soundfile.SoundFile(handed.open_reader(data) if isinstance(data, str) else io.BytesIO(data)) as f:
             native_sr = f.samplerate
             seconds = f.frames / native_sr if duration is None else duration
             guards.check_audio_seconds(label, seconds, limits)
@@ -214,7 +216,7 @@ def _container(data) -> str | None:
 
 
 def _head(path: str) -> bytes:
-    with open(path, "rb") as f:
+    with handed.open_reader(path) as f:
         return f.read(guards.HEAD_BYTES)
 
 

@@ -27,6 +27,7 @@ import ctypes
 import io
 import os
 
+from .. import handed
 from ..errors import MediaDecodeError
 from . import guards
 
@@ -190,62 +191,29 @@ def pyav_format(label, kind: str, head: bytes, size: int, name: str | None = Non
     return picked.split(",")[0]
 
 
-class PinnedFile(io.RawIOBase):
+class PinnedFile(handed.PreadFile):
     """A read-only file object over an open descriptor whose first bytes come from a
     snapshot: what FFmpeg probes is exactly what ``check`` saw, even if the file
     changes meanwhile."""
 
     def __init__(self, fd: int, snapshot: bytes, size: int):
-        super().__init__()
-        self._fd, self._snapshot, self._size, self._pos = fd, snapshot, size, 0
+        super().__init__(fd, size)
+        self._snapshot = snapshot
 
     def keep_snapshot(self, length: int) -> None:
         """Serve only the first `length` bytes from the snapshot: all that FFmpeg probes."""
         self._snapshot = self._snapshot[:length]
 
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        if self._pos < len(self._snapshot):
-            chunk = self._snapshot[self._pos:self._pos + len(view)]
-        else:
-            chunk = os.pread(self._fd, len(view), self._pos)
-        view[:len(chunk)] = chunk
-        self._pos += len(chunk)
-        return len(chunk)
-
-    def seek(self, offset, whence=io.SEEK_SET):
-        if whence == io.SEEK_SET:
-            self._pos = offset
-        elif whence == io.SEEK_CUR:
-            self._pos += offset
-        elif whence == io.SEEK_END:
-            self._pos = self._size + offset
-        else:
-            raise ValueError(f"invalid whence {whence}")
-        if self._pos < 0:
-            raise ValueError("negative seek position")
-        return self._pos
-
-    def tell(self):
-        return self._pos
-
-    def close(self):
-        if not self.closed and self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        super().close()
+    def _read_at(self, position: int, length: int) -> bytes:
+        if position < len(self._snapshot):
+            return self._snapshot[position:position + length]
+        return os.pread(self._fd, length, position)
 
 
 def _open_path(label, path: str):
     guards.check_regular(label, path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = handed.open_fd(path)  # the descriptor the caller handed, if it did
     except OSError as exc:
         raise MediaDecodeError(label, f"cannot open: {exc.strerror}") from None
     info = os.fstat(fd)
@@ -286,7 +254,7 @@ def picked_by_name(data) -> bool:
         snapshot = f.read(SNAPSHOT_BYTES)
     if not guards.container_of(snapshot):
         return False  # no frames behind junk either: the usual checks refuse it
-    return _probe(snapshot, os.path.getsize(data))[0] is None
+    return _probe(snapshot, handed.stat(data).st_size)[0] is None
 
 
 def pyav_options(kind: str) -> dict:

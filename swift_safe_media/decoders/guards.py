@@ -11,7 +11,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from .. import config
+from .. import config, handed
 from ..config import MAX_AUDIO_SECONDS, MAX_EXPANSION, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 from . import integrity
@@ -71,7 +71,7 @@ def input_size(data) -> int | None:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return len(data)
     try:
-        return os.stat(data).st_size
+        return handed.stat(data).st_size  # the descriptor the caller handed, if it did
     except (OSError, TypeError):
         return None
 
@@ -137,7 +137,7 @@ def _second_frame_synced(kind: str, head: bytes, read_at, size: int) -> bool:
 def check_regular(label, path: str) -> os.stat_result:
     """Raise unless `path` is an existing, non-empty regular file (never opens it)."""
     try:
-        info = os.stat(path)
+        info = handed.stat(path)  # the descriptor the caller handed, if it did
     except FileNotFoundError:
         raise MediaDecodeError(label, "no such file") from None
     except OSError as exc:
@@ -159,7 +159,7 @@ def check_file(label, path: str) -> str:
     info = check_regular(label, path)
     # O_NONBLOCK: if the path was swapped for a FIFO since the stat, open() must not wait.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        fd = handed.open_fd(path)
     except OSError as exc:
         raise MediaDecodeError(label, f"cannot open: {exc.strerror}") from None
     try:

@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from .. import config
+from .. import config, handed
 from ..engine import SharedTimeout
 from ..errors import MediaDecodeError
 from . import guards
@@ -96,10 +96,10 @@ def describe(media) -> Source:
         return Source("url", text, text)
     if text.startswith("file://"):
         path = text[len("file://"):]
-        return Source("path", os.path.abspath(path), path)
+        return Source("path", handed.hand(os.path.abspath(path)), path)
     local = _local_path(text)
     if local is not None:
-        return Source("path", local, text)
+        return Source("path", handed.hand(local), text)
     if text.startswith("data:"):
         match = _DATA_URI.match(text)
         if match is None:
@@ -115,7 +115,7 @@ def describe(media) -> Source:
     if data and (len(text) > _MAX_PATH_LENGTH or guards.container_of(data[:guards.HEAD_BYTES])):
         return Source("bytes", data, f"<base64 of {len(data)} bytes>")
     # A path that does not exist: the guard in the sandbox says so, naming it.
-    return Source("path", os.path.abspath(os.path.expanduser(text)), _abbreviate(text))
+    return Source("path", handed.hand(os.path.abspath(os.path.expanduser(text))), _abbreviate(text))
 
 
 def url_timeout() -> float | None:

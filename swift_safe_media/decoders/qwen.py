@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from .. import engine
+from .. import engine, handed
 from ..errors import MediaDecodeError, typed_entry
 from . import audio, families, guards, inputs, video
 
@@ -204,7 +204,7 @@ def _stock_fetch_frames(ele, image_patch_size, return_video_sample_fps, return_v
 def _absolute_if_local(item):
     if isinstance(item, str) and not item.startswith(("http://", "https://", "file://", "data:")) \
             and os.path.lexists(item):
-        return os.path.abspath(item)
+        return handed.hand(os.path.abspath(item))  # opened by the caller, read by the stock code's open()
     return item
 
 

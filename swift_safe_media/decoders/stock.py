@@ -24,7 +24,7 @@ import pickle
 import sys
 import types
 
-from .. import engine
+from .. import confine as confinement, engine
 from ..errors import MediaDecodeError, decode_failure
 from ..integrations._patching import original_of
 
@@ -119,7 +119,8 @@ def in_sandbox(module: str, name: str, media=(0, "video"), confine: bool = True,
         args = tuple(_sendable(arg) for arg in args)
         kwargs = {key: _sendable(arg) for key, arg in kwargs.items()}
 
-        confined = confine and not _is_url(label)
+        # Stock opens the file by name: confined only where a confined sandbox may do that.
+        confined = confine and not _is_url(label) and confinement.opens_by_name()
         _prepare_sandboxes(module, confined)
 
         def run(args, kwargs):
@@ -176,7 +177,8 @@ def _load_video_with_local_sampler(run, args, kwargs):
         return run(args, kwargs)
     label = _label(args[0] if args else kwargs.get("video"))
     rest = {key: value for key, value in kwargs.items() if key != "sample_indices_fn"}
-    metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label)
+    metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label,
+                                           confine=confinement.opens_by_name())
     indices = sampler(metadata=metadata, **sampler_kwargs)
     return run(args, {**rest, "sample_indices_fn": functools.partial(_given_indices, indices)})
 

@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 
-from .. import engine, process, quarantine, transport
+from .. import engine, handed, process, quarantine, transport
 from ..errors import MediaQuarantined
 from . import lerobot_layouts as layouts
 from ._patching import original_of
@@ -110,7 +110,9 @@ def decode_in_sandbox(requests, parallel: bool = False) -> list:
     """Frames for each (path, timestamps, tolerance_s, backend, return_uint8, is_depth),
     decoded in the sandbox (at once, on threads there, with ``parallel``)."""
     # Absolute here: the sandbox does not run in this process's working directory.
-    requests = [(path if is_remote(path) else os.path.abspath(path), [float(ts) for ts in timestamps], tolerance_s,
+    # Local files are handed to the sandbox open (handed): it reads nothing else by name.
+    requests = [(path if is_remote(path) else handed.hand(os.path.abspath(path)), [float(ts) for ts in timestamps],
+                 tolerance_s,
                  backend, return_uint8, depth)
                 for path, timestamps, tolerance_s, backend, return_uint8, depth in requests]
     paths = [request[0] for request in requests]

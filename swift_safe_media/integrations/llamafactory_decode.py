@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from .. import engine
+from .. import confine, engine
 from ..errors import MediaDecodeError, decode_failure
 from ._patching import original_of
 
@@ -78,7 +78,7 @@ def regularize_each(stock, plugin, items, *args, **kwargs):
     qualname = stock.__qualname__
     outputs = engine.call_each(stock_in_sandbox, [(qualname, plugin, ([item], *args), kwargs, name or "<decoded>")
                                                   for item, name in zip(items, names)],
-                               [name or "<decoded>" for name in names])
+                               [name or "<decoded>" for name in names], confine=confine.opens_by_name())
     return _joined(outputs)
 
 
@@ -95,7 +95,8 @@ def video_metadata_in_sandbox(stock, plugin, video, *args, **kwargs):
     name = media_name(video) if isinstance(video, (str, os.PathLike)) else None
     if name is None:
         return stock(plugin, video, *args, **kwargs)
-    return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (video, *args), kwargs, name, path=name)
+    return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (video, *args), kwargs, name, path=name,
+                       confine=confine.opens_by_name())
 
 
 def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwargs):
@@ -107,7 +108,7 @@ def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwa
     if not names:
         return stock(plugin, images, videos, audios, processor, **kwargs)
     return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (images, videos, audios, processor), kwargs,
-                       names[0], path=names[0])
+                       names[0], path=names[0], confine=confine.opens_by_name())
 
 
 def failed_path(exc: BaseException) -> str | None:

@@ -36,6 +36,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests import sandboxed
 
+# Sandboxes keep only allow-listed variables (confine_env): the late one is named to them.
+os.environ["SWIFT_SAFE_MEDIA_SANDBOX_ENV"] = "WARM_WORKERS_LATE"
 LOCK = threading.Lock()  # module state a worker inherits by fork, and not by forkserver
 
 
