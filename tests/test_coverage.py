@@ -15,6 +15,7 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import pathlib
 import re
 import shutil
@@ -186,8 +187,9 @@ def test_a_plain_pytorch_script_is_protected(tmp_path, spin_library):
     """``enable()`` and a plain DataLoader: workers from the warm forkserver bound a FIFO read
     by librosa and a native spin, and decode tar-shard bytes as stock; a dataset that cannot
     be pickled forks, with one warning saying why."""
-    done = run_python(module="tests.programs.plain_pytorch", args=[tmp_path, spin_library], timeout=300,
-                      env=clean_environment(warm_start=True))
+    # The native spin is a library the user's loader loads by name: confinement would refuse it first.
+    env = {**clean_environment(warm_start=True), "SWIFT_SAFE_MEDIA_READ_ROOTS": os.path.dirname(spin_library)}
+    done = run_python(module="tests.programs.plain_pytorch", args=[tmp_path, spin_library], timeout=300, env=env)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     rows = {row["kind"]: row for row in result["rows"]}
     assert all(row["worker_parent"] != result["trainer"] for row in result["rows"])  # not forked from the trainer
