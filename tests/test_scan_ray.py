@@ -128,9 +128,12 @@ def dataset(corpus, tmp_path, spin_library):  # noqa: F811
 
 @pytest.mark.timeout(300)
 class TestOnThreeNodes:
-    def test_split_across_nodes_found_once_as_locally(self, three_nodes, dataset, monkeypatch):
+    def test_split_across_nodes_found_once_as_locally(self, three_nodes, dataset, spin_library, monkeypatch):
         items, planted = dataset
         monkeypatch.setenv("SWIFT_SAFE_MEDIA_TIMEOUT", TIMEOUT)  # the workers get the driver's settings
+        # The native spin is a library loaded by name: confinement would refuse it before it spins.
+        monkeypatch.setenv("SWIFT_SAFE_MEDIA_READ_ROOTS", os.path.dirname(spin_library))
+        swift_safe_media.shutdown()  # the local scan's zygote builds its read rules as it starts
         problems, _, where = scan_ray.scan_on_ray(
             items, check=scan_checks.decode_or_fail_natively)
         assert len(where["nodes"]) == 3 and sum(where["nodes"].values()) == len(items) == 24 + len(planted)

@@ -1,9 +1,12 @@
 """Decode clips through ms-swift's InternVL loader, protected, round after round, as a
 user's loop would: ``python -m tests.programs.decode_loop ROUNDS CLIP...``. Prints one
 JSON line: the number of frames each decode gave (by clip), and every failure (type:
-message). The environment sets the timeout, the registry and the rest."""
+message). The environment sets the timeout, the registry and the rest; with
+``DECODE_LOOP_WHILE`` naming a file, rounds go on past ROUNDS while that file exists (a test
+that kills processes of the loop keeps it busy until it is done, however fast this machine)."""
 
 import json
+import os
 import sys
 import time
 
@@ -14,7 +17,10 @@ def main() -> None:
 
     rounds, clips = int(sys.argv[1]), sys.argv[2:]
     decoded, failures, seconds = {clip: [] for clip in clips}, [], []
-    for _ in range(rounds):
+    keep_going = os.environ.get("DECODE_LOOP_WHILE")
+    done_rounds = 0
+    while done_rounds < rounds or (keep_going and os.path.exists(keep_going)):
+        done_rounds += 1
         for clip in clips:
             started = time.monotonic()
             try:
