@@ -124,8 +124,11 @@ EXPECTED = {
     "h264_10bit.mp4": _all(DECORD_CASES + ["vllm"], "high-bit-depth"),
     "mpeg2_ts.ts": {**_all(DECORD_CASES, "wrong-frames"), **_all(["llava", "hf", "qwen"], "stock-fails")},
     "prores.mov": {"vllm": "high-bit-depth"},
-    # torchcodec returns earlier frames than those asked for (AVI keeps no presentation times).
-    "h264_bframes.avi": {"qwen": "wrong-frames", **_all(["ovis2", "ovis2_5"], "moviepy-timing")},
+    # torchcodec returns earlier frames than those asked for (AVI keeps no presentation times);
+    # decord's seek returns, some runs, the frame before the file's last one where that is
+    # asked for (cogvlm2's and valley's indices end on it).
+    "h264_bframes.avi": {**_all(["cogvlm2", "valley"], "wrong-frames"), "qwen": "wrong-frames",
+                         **_all(["ovis2", "ovis2_5"], "moviepy-timing")},
     # torchcodec's own test assets.
     "h265_video.mp4": {"valley": "wrong-frames"},
     "testsrc2_odd_height_vp9.mp4": _all(DECORD_CASES + ["vllm"], "odd-height"),
