@@ -23,12 +23,18 @@ LEROBOT_RELEASES := 0.5.0 0.5.1 0.6.0
 PYTHON312 ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: test demo bench dist ffmpeg build-tools python3.12 clean
+.PHONY: test envs demo bench dist ffmpeg build-tools python3.12 clean
+
+# The four venvs build side by side (pip waits on the network more than on the CPU); apt runs
+# first and once (ffmpeg, build-tools are order-only prerequisites of every venv).
+ENVS := $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP) $(LLAMAFACTORY_STAMP)
+# pytest processes for the part of the suite that may run side by side (one file per process at
+# a time); `make test TEST_JOBS=0` runs it in one process.
+TEST_JOBS ?= 2
 
 SOURCES := $(shell find swift_safe_media -name '*.py') _swift_safe_media_startup.py swift_safe_media.pth setup.py
 
-$(STAMP): requirements-test.txt pyproject.toml $(SOURCES)
-	@$(MAKE) --no-print-directory ffmpeg
+$(STAMP): requirements-test.txt pyproject.toml $(SOURCES) | ffmpeg
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 	@# LeRobot 0.4.4 pins torch<2.11: installed without its pins, its dataset deps are in requirements-test.txt.
@@ -45,8 +51,7 @@ $(STAMP): requirements-test.txt pyproject.toml $(SOURCES)
 
 # LeRobot's own environment, exactly as pip resolves `lerobot==0.4.4` (torch<2.11), with our
 # package installed as a user installs it: a regular install, so the start-up hook ships.
-$(LEROBOT_STAMP): requirements-lerobot.txt pyproject.toml $(SOURCES)
-	@$(MAKE) --no-print-directory ffmpeg build-tools
+$(LEROBOT_STAMP): requirements-lerobot.txt pyproject.toml $(SOURCES) | ffmpeg build-tools
 	@[ -x $(LEROBOT_PY) ] || $(PYTHON) -m venv $(LEROBOT_VENV)
 	$(LEROBOT_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-lerobot.txt
 	$(LEROBOT_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
@@ -56,8 +61,7 @@ $(LEROBOT_STAMP): requirements-lerobot.txt pyproject.toml $(SOURCES)
 
 # LeRobot 0.6.1's own environment on Python 3.12, exactly as pip resolves `lerobot[training]==0.6.1`,
 # with our package installed as a user installs it, and the other releases' code beside it.
-$(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES)
-	@$(MAKE) --no-print-directory ffmpeg
+$(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES) | ffmpeg build-tools
 	@if [ ! -x $(LEROBOT06_PY) ]; then python312="$$($(MAKE) --no-print-directory -s python3.12)" && \
 		"$$python312" -m venv $(LEROBOT06_VENV); fi
 	$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-lerobot-0.6.txt
@@ -70,8 +74,7 @@ $(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES)
 
 # LLaMA-Factory 0.9.5's own environment on Python 3.11, exactly as pip resolves `llamafactory==0.9.5`
 # with torch 2.11 (torchaudio's last release), with our package installed as a user installs it.
-$(LLAMAFACTORY_STAMP): requirements-llamafactory.txt pyproject.toml $(SOURCES)
-	@$(MAKE) --no-print-directory ffmpeg
+$(LLAMAFACTORY_STAMP): requirements-llamafactory.txt pyproject.toml $(SOURCES) | ffmpeg
 	@[ -x $(LLAMAFACTORY_PY) ] || $(PYTHON) -m venv $(LLAMAFACTORY_VENV)
 	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-llamafactory.txt
 	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
@@ -110,8 +113,17 @@ ffmpeg:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq ffmpeg libseccomp2 >/dev/null; \
 	fi
 
-test: $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP) $(LLAMAFACTORY_STAMP)
-	$(PY) -m pytest
+envs: $(ENVS)
+
+# The suite in two parts: files side by side in TEST_JOBS processes, then the tests marked
+# `serial` (they time a decode against the CPU it got, or look at every process's shared
+# memory) alone. Both parts always run; the exit status is the first failure's.
+test:
+	@$(MAKE) --no-print-directory --output-sync=target -j4 envs
+	@status=0; \
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=25 || status=$$?; \
+	$(PY) -m pytest -m serial || status=$$?; \
+	exit $$status
 
 demo: $(STAMP)
 	$(PY) -m swift_safe_media.demo

@@ -311,6 +311,7 @@ def test_sigkill_of_the_parent_leaves_no_orphans(tmp_path, busy):
         victim.wait()
 
 
+@pytest.mark.serial  # /dev/shm is every process's: run alone, nothing else's blocks come and go
 def test_clean_exit_leaves_no_processes_or_shared_memory():
     before = set(os.listdir("/dev/shm"))
     done = run_python(module="tests.programs.engine_clean_exit", env=dict(os.environ), timeout=120, check=False)

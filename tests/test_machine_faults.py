@@ -26,6 +26,11 @@ from .conftest import children_of, wait_until_dead
 from .fresh import ROOT, clean_environment
 from .swift_scenario import _ffmpeg
 
+# Alone, after the side-by-side part of `make test`: these tests load the CPUs themselves and
+# time decodes against what they got, and kill processes while other tests' decodes would
+# compete for the same cores.
+pytestmark = pytest.mark.serial
+
 CLIPS = 3
 ROUNDS = 2
 
