@@ -52,6 +52,7 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy
     os.setsid()
     process.set_name(process.SANDBOX_NAME)
     process.die_with_parent(parent)  # the zygote
+    process.first_for_the_oom_killer()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _cap_memory(memory_cap_mb)
