@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_safe_media import integrations
+from swift_safe_media.patching import host_adapters as integrations
 
 from . import megatron_shim
 from .fresh import clean_environment, run_python

@@ -82,7 +82,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_imports_without_cycles():
     graph = import_graph()
-    assert "swift_safe_media.engine" in graph and graph["swift_safe_media"], graph
+    assert "swift_safe_media.engine.calls" in graph and graph["swift_safe_media"], graph
     assert cycles(graph) == []
 
 
@@ -93,6 +93,49 @@ def test_no_module_is_over_the_line_limit():
     long = {name: len(path.read_text().splitlines()) for name, path in module_names().items()}
     long = {name: lines for name, lines in long.items() if lines > MAX_MODULE_LINES}
     assert not long, f"split these by concern (at most {MAX_MODULE_LINES} lines): {long}"
+
+
+# Imports flow one way (docs/how-it-works.md#layout): the core never imports a host
+# adapter, the checks or the activation layer; adapters import the core, and the layer on
+# top (activation, cli, demo, checks) imports both.
+CORE = ("engine", "confinement", "workers", "records", "patching", "decoders",
+        "config", "settings_registry", "errors", "process", "logs", "_moved")
+ABOVE_THE_CORE = ("hosts", "checks", "activation", "cli", "demo")
+
+
+def _in(module: str, parts) -> bool:
+    return any(module == f"swift_safe_media.{part}" or module.startswith(f"swift_safe_media.{part}.")
+               for part in parts)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """core module -> what it imports from above the core (the package's ``__init__`` included)."""
+    found = {}
+    for module, targets in graph.items():
+        if _in(module, CORE):
+            upward = {target for target in targets
+                      if _in(target, ABOVE_THE_CORE) or target == "swift_safe_media"}
+            if upward:
+                found[module] = upward
+    return found
+
+
+def test_the_core_never_imports_up_into_the_adapters():
+    graph = import_graph()
+    assert {"swift_safe_media.engine.pool", "swift_safe_media.hosts.swift.adapter"} <= set(graph)
+    assert upward_imports(graph) == {}
+
+
+def test_an_upward_import_is_found():
+    graph = {"swift_safe_media.workers.start": {"swift_safe_media.hosts.lerobot.adapter"},
+             "swift_safe_media.hosts.lerobot.adapter": {"swift_safe_media.workers.start"}}
+    assert upward_imports(graph) == {"swift_safe_media.workers.start": {"swift_safe_media.hosts.lerobot.adapter"}}
+
+
+def test_every_subpackage_says_what_it_owns_and_may_import():
+    for init in sorted(PACKAGE.glob("*/**/__init__.py")):
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(docstring.split()) >= 20, f"{init.relative_to(PACKAGE.parent)}: say what it owns"
 
 
 def test_a_cycle_is_found():

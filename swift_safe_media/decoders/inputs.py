@@ -18,8 +18,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from .. import config, handed
-from ..engine import SharedTimeout
+from .. import config
+from ..confinement import handed
+from ..engine.calls import SharedTimeout
 from ..errors import MediaDecodeError
 from . import guards
 
@@ -189,7 +190,7 @@ def fetched(source: Source, limits: guards.Limits, timeout: float | None) -> Sou
         return _downloaded_before(source)
     if source.kind != "url" or not config.confine():
         return source
-    from .. import engine
+    from ..engine import calls as engine
 
     data, deadline, shared = engine.fetch(download, source.value, limits, timeout, path=source.label)
     return Source("bytes", data, source.label, deadline, shared)

@@ -15,7 +15,8 @@ import sys
 
 import numpy as np
 
-from .. import engine, handed
+from ..engine import calls as engine
+from ..confinement import handed
 from ..errors import MediaDecodeError, typed_entry
 from . import audio, families, guards, inputs, video
 

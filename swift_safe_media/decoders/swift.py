@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .. import engine, transport
+from ..engine import calls as engine, transport
 from . import audio as _audio
 from . import families, guards, inputs, video
 
