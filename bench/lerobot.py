@@ -102,7 +102,7 @@ def child(side: str, root: str, samples: int, seed: int, seconds: int) -> dict:
         # stay, LeRobot's own functions are back, and ours are called by name.
         swift_safe_media.enable(hosts=["lerobot"])
         swift_safe_media.disable()
-        from swift_safe_media.engine.calls import calls as engine
+        from swift_safe_media.engine import calls as engine
 
         engine.set_up_sandboxes(lerobot_decode.import_lerobot_in_sandbox)  # the sandbox's setup, as patch() makes it
         if side == "ours-in-turn":  # one round trip, the cameras one after the other
@@ -134,7 +134,7 @@ def child(side: str, root: str, samples: int, seed: int, seconds: int) -> dict:
 
     result["lerobot"] = importlib.metadata.version("lerobot")
     if side.startswith("ours"):
-        from swift_safe_media.engine.calls.calls import get_engine
+        from swift_safe_media.engine.calls import get_engine
 
         result.update(calls=get_engine().stats["calls"], sandboxes=get_engine().stats["sandboxes_started"])
     return result

@@ -372,7 +372,7 @@ def _instrument_worker(worker_id: int) -> None:
     _record(folder, who, "our_modules_loaded", len(modules))
     from swift.dataset.utils import LazyLLMDataset
 
-    from swift_safe_media.engine.calls import pool, zygote
+    from swift_safe_media.engine import pool, zygote
 
     def timed(owner, name, event, first_only=False):
         original = getattr(owner, name)

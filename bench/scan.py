@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from swift_safe_media import config, shutdown
-from swift_safe_media.engine.calls import calls as engine
+from swift_safe_media.engine import calls as engine
 from swift_safe_media.checks import scan
 
 

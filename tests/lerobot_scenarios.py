@@ -219,7 +219,7 @@ def remote_frames(root):
     import threading
 
     import swift_safe_media
-    from swift_safe_media.engine.calls.calls import get_engine
+    from swift_safe_media.engine.calls import get_engine
     from swift_safe_media.hosts.lerobot import decode as lerobot_decode
 
     swift_safe_media.enable(hosts=["lerobot"])
@@ -272,7 +272,7 @@ def patch_state():
     import lerobot.datasets.utils as dataset_utils
     import lerobot.datasets.video_utils as video_utils
 
-    from swift_safe_media.engine.calls import pool
+    from swift_safe_media.engine import pool
     from swift_safe_media.patching import targets as _patching
     from swift_safe_media.hosts.lerobot import adapter
 

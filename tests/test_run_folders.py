@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from swift_safe_media.engine.calls import run_folders
+from swift_safe_media.engine import run_folders
 from swift_safe_media.records import watchdog
 
 from .fresh import ROOT, clean_environment

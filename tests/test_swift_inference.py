@@ -229,7 +229,7 @@ def test_a_downloaded_url_and_its_decode_share_one_timeout(clip, warm, monkeypat
     from swift.utils.url_utils import SafeUrlFetcher
 
     from swift_safe_media import MediaDecodeTimeout
-    from swift_safe_media.engine.calls import calls as engine
+    from swift_safe_media.engine import calls as engine
     from swift_safe_media.decoders import guards, inputs
     from swift_safe_media.hosts.swift import inference as swift_inference, serving as swift_serving
 

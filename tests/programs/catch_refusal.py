@@ -18,7 +18,7 @@ from multiprocessing import forkserver
 def main() -> None:
     import swift_safe_media
     from swift_safe_media.records import watchdog
-    from swift_safe_media.engine.calls import zygote  # their /proc helpers: what runs below this process
+    from swift_safe_media.engine import zygote  # their /proc helpers: what runs below this process
 
     server = forkserver._forkserver
     ensure_running, started = server.ensure_running, []

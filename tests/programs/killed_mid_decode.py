@@ -19,7 +19,7 @@ def main() -> None:
 
     import swift_safe_media
     from swift_safe_media import config
-    from swift_safe_media.engine.calls import run_folders
+    from swift_safe_media.engine import run_folders
     from tests import sandboxed
     from tests.loader_datasets import HangingDataset
 
