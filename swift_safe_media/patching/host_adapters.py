@@ -15,7 +15,7 @@ Each adapter module (one per host, dd-trace style) provides:
   dataset, imported once by the warm forkserver (:mod:`..warm_start`);
 - optionally ``worker_start_method(loader)``: the start method the host's DataLoader
   ``loader`` should start its workers with, or None to leave it; asked as the loader
-  starts its workers, before the checks of :mod:`..worker_start`;
+  starts its workers: row 1 of the decision in :mod:`..workers.start_method`;
 - optionally ``command_line_asks_for_protection()``: True when this process's command
   line turns protection on, so the decoders are checked as the host starts importing;
 - optionally ``unsupported()``: why the installed version, inside ``SUPPORTED``, cannot be
@@ -165,14 +165,15 @@ def disable_hosts() -> None:
         adapter.unpatch()
 
 
-def choose_worker_start_method(loader) -> None:
-    """Give ``loader`` the start method an enabled host's adapter chooses for it, if any."""
+def hosts_worker_start_method(loader) -> str | None:
+    """The start method an enabled host's adapter prefers for ``loader``, or None (the
+    decision is :mod:`..workers.start_method`'s)."""
     for host in sorted(_enabled_hosts):
         choose = getattr(adapter_for(host), "worker_start_method", None)
         method = choose(loader) if choose is not None else None
         if method:
-            loader.multiprocessing_context = method
-            return
+            return method
+    return None
 
 
 def enabled_hosts() -> set[str]:

@@ -8,53 +8,21 @@ A DataLoader whose start method nobody named (neither the loader, nor the user's
 inherit the trainer's threads and locks (OpenCV's thread pool in a forked worker, a
 CUDA context), at about fork's speed. Such workers receive the dataset pickled; a
 dataset that cannot be pickled (a lambda, an open file, a generator) forks, as stock
-PyTorch does on Linux, with one warning saying why. A start method set globally to
-the platform's own default (``fork`` on Linux) cannot be told from no choice at all
-and counts as none.
+PyTorch does on Linux, with one warning saying why. That choice is rows 2-5 of the
+decision in :mod:`.start_method`.
 
 Workers that do not fork have none of their parent's patches: each one bounds the
-media libraries (:mod:`.integrations.media`) before the user's ``worker_init_fn`` runs.
+media libraries (:mod:`..patching.media_libraries`) before the user's ``worker_init_fn`` runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import pickle
 
-from .. import config
 from . import spawn_guard
 
 log = logging.getLogger("swift_safe_media")
-
-_warned: set[str] = set()  # dataset types named in a warning
-
-
-def _named_globally() -> bool:
-    method = multiprocessing.get_start_method(allow_none=True)
-    return method is not None and method != multiprocessing.get_all_start_methods()[0]
-
-
-def choose_start_method(loader) -> None:
-    """Give an unnamed ``loader`` the configured start method (see the module's doc)."""
-    if loader.num_workers <= 0 or loader.multiprocessing_context is not None or _named_globally():
-        return
-    method = config.mp_context()
-    if method in ("default", "fork"):
-        return
-    try:
-        pickle.dumps((loader.dataset, loader.collate_fn, loader.worker_init_fn))
-    except Exception as exc:
-        loader.multiprocessing_context = "fork"
-        name = type(loader.dataset).__qualname__
-        if name not in _warned:
-            _warned.add(name)
-            log.warning(f"swift_safe_media: the DataLoader's dataset ({name}) cannot be pickled "
-                        f"({type(exc).__name__}: {exc}), so its workers fork from this process, as stock "
-                        f"PyTorch's do, instead of starting from the {method} (decodes are still bounded)")
-        return
-    loader.multiprocessing_context = method
 
 
 class _BoundingLibraries:

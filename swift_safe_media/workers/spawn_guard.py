@@ -8,23 +8,19 @@ inside a ``__name__ == "__main__"`` test, a child would run it again. That DataL
 then forks its workers, as stock PyTorch does on Linux, and one warning names the
 script and the line (chosen over an error: the script ran before protection was on,
 and protection still bounds every decode; only the workers' start method changes).
-The check runs as each DataLoader starts its workers (:mod:`.worker_start`).
+The check is row 6 of the decision as each DataLoader starts its workers
+(:mod:`.start_method`).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import logging
 import multiprocessing
 import sys
 import threading
 
-log = logging.getLogger("swift_safe_media")
-
 RERUN_BY_CHILDREN = ("spawn", "forkserver")
-
-_warned: set[str] = set()  # scripts named in a warning already
 
 
 def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, int] | None:
@@ -194,23 +190,3 @@ def start_method(loader) -> str:
     if context is None:
         return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()
     return context if isinstance(context, str) else context.get_start_method()
-
-
-def fork_if_main_would_rerun(loader) -> None:
-    """Give ``loader`` the fork start method if its workers would re-run an unguarded script."""
-    if loader.num_workers <= 0 or multiprocessing.parent_process() is not None:
-        return
-    method = start_method(loader)
-    if method not in RERUN_BY_CHILDREN:
-        return
-    found = unguarded_main_statement()
-    if found is None:
-        return
-    loader.multiprocessing_context = "fork"
-    script, line = found
-    if script not in _warned:
-        _warned.add(script)
-        log.warning("swift_safe_media: %s starts DataLoader workers at line %d outside "
-                    "`if __name__ == \"__main__\":`; %s workers would run the script again and the "
-                    "run would hang, so this DataLoader forks its workers instead. Put the training "
-                    "code under that guard to get %s workers.", script, line, method, method)
