@@ -84,14 +84,16 @@ def _choose_stats_dir() -> None:
 
 
 def disable() -> None:
-    """Undo what ``enable`` did here (the hosts' own loaders, DataLoader iteration without
-    the watchdog), and keep children from turning protection on."""
-    from .workers import forkserver as warm_start
+    """Undo what ``enable`` did here (the hosts' own loaders, torch's own DataLoader: how
+    its workers start, its iteration without the watchdog), and keep children from turning
+    protection on."""
+    from .workers import forkserver as warm_start, start as worker_start
     from .records import watchdog
 
     config.put(config.ENABLED, False)
     integrations.disable_hosts()
     watchdog.uninstall()
+    worker_start.uninstall()  # torch's DataLoader is torch's own again
     warm_start.stop()
 
 

@@ -153,3 +153,54 @@ def test_the_docs_table_the_code_and_these_tests_have_the_same_rows():
     code_rows = [int(match) for match in re.findall(r"^(\d+)\. ", start_method.__doc__, re.MULTILINE)]
     tested = sorted({int(name.split("_")[2]) for name in globals() if re.match(r"test_row_\d+_", name)})
     assert doc_rows == code_rows == tested == list(range(1, TABLE_ROWS + 1))
+
+
+
+DISABLE_RESTORES = """
+import json
+import swift_safe_media
+from swift_safe_media.patching.targets import original_of
+TORCH_FIRST = {torch_first}
+if TORCH_FIRST:
+    from torch.utils.data import dataloader
+    stock = {{cls: dict(vars(cls)) for cls in (dataloader.DataLoader, dataloader._BaseDataLoaderIter)}}
+swift_safe_media.enable()
+import torch.utils.data
+from torch.utils.data import dataloader
+classes = (dataloader.DataLoader, dataloader._BaseDataLoaderIter)
+def ours():
+    return sorted(f"{{cls.__name__}}.{{name}}" for cls in classes for name, value in vars(cls).items()
+                  if original_of(value) is not None)
+found = {{"enabled": ours()}}
+swift_safe_media.disable()
+found["disabled"] = ours()
+swift_safe_media.enable()
+found["enabled again"] = ours()
+swift_safe_media.disable()
+found["disabled again"] = ours()
+found["as before"] = all(dict(vars(cls)) == stock[cls] for cls in classes) if TORCH_FIRST else None
+found["stock class"] = torch.utils.data.DataLoader is dataloader.DataLoader
+found["batches"] = [int(batch) for batch in torch.utils.data.DataLoader(list(range(3)), batch_size=1)]
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("torch_first", [True, False])
+def test_disable_gives_torchs_dataloader_back_as_it_was(torch_first):
+    """Every row of torch's target table (patching/torch_dataloader.py) is patched by enable(),
+    whether torch's DataLoader was imported before or after it, and restored by disable():
+    torch.utils.data.DataLoader and its iterator are torch's own objects again."""
+    import json
+
+    from tests.fresh import clean_environment, run_python
+
+    env = clean_environment({"SWIFT_SAFE_MEDIA_STALL_TIMEOUT": "30"})
+    done = run_python(code=DISABLE_RESTORES.format(torch_first=torch_first), env=env, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    patched = ["DataLoader._get_iterator", "_BaseDataLoaderIter.__next__"]
+    assert found["enabled"] == found["enabled again"] == patched
+    assert found["disabled"] == found["disabled again"] == []
+    assert found["as before"] in ((True,) if torch_first else (None,))
+    assert found["stock class"] and found["batches"] == [0, 1, 2]

@@ -22,7 +22,7 @@ import weakref
 
 from .. import config, process
 from ..engine import run_folders
-from ..patching.targets import MethodPatcher
+from ..patching import torch_dataloader
 from ..config import INFLIGHT_DIR  # set by the watchdog; workers inherit it
 
 log = logging.getLogger("swift_safe_media")
@@ -243,7 +243,6 @@ class Watchdog:
 
 
 _watchdog: Watchdog | None = None
-_dataloader_patch = MethodPatcher()
 
 
 def install() -> Watchdog | None:
@@ -253,9 +252,7 @@ def install() -> Watchdog | None:
     if timeout <= 0 or _watchdog is not None:
         return _watchdog
     _watchdog = Watchdog(timeout, config.stall_action())
-    from torch.utils.data import dataloader
-
-    _dataloader_patch.replace(dataloader._BaseDataLoaderIter, "__next__", _next_watched)
+    torch_dataloader.patch("stall watch")  # torch's targets, as data: DataLoader iteration tells it of batches
     return _watchdog
 
 
@@ -263,12 +260,12 @@ def uninstall() -> None:
     """Undo :func:`install`: the watchdog stops and DataLoader iteration is torch's own again."""
     global _watchdog
     watchdog, _watchdog = _watchdog, None
-    _dataloader_patch.restore()
+    torch_dataloader.unpatch("stall watch")
     if watchdog is not None:
         watchdog.stop()
 
 
-def _next_watched(original_next, iterator):
+def next_watched(original_next, iterator):
     """``_BaseDataLoaderIter.__next__``, telling the watchdog each time a batch arrives."""
     watchdog = _watchdog
     if watchdog is None:
