@@ -106,18 +106,15 @@ def on_host_imported(host: str) -> None:
     begins importing: its flags parse from now on, and ``SWIFT_SAFE_MEDIA=1`` turns
     protection on for it."""
     adapter = integrations.adapter_for(host)
-    register_flags = getattr(adapter, "register_flags", None)
-    if register_flags is not None:
-        for module_name in getattr(adapter, "FLAG_MODULES", ()):
-            _imports.when_imported(module_name, lambda _module: register_flags())
+    for module_name in adapter.FLAG_MODULES:
+        _imports.when_imported(module_name, lambda _module: adapter.register_flags())
     state = config.enabled_by_environment()
     if state:
         if _starts_runs():
             enable(hosts=[host])  # the run's stats folder, the watchdog
         else:
             integrations.enable_hosts([host])
-    elif (state is None and getattr(adapter, "command_line_asks_for_protection", lambda: False)()
-          and _starts_runs()):
+    elif state is None and adapter.command_line_asks_for_protection() and _starts_runs():
         from .checks import preflight
 
         preflight.require([host])  # now, not after the host's imports: protection that cannot work stops at once

@@ -17,6 +17,7 @@ HOST_FILES = {
     "fakehost/user.py": "from .media import load\nfrom .media import load as renamed_load\n",
     "fake_adapter.py": textwrap.dedent("""
         import sys
+        from swift_safe_media.patching.host_adapters import ModuleAdapter, register
         from swift_safe_media.patching.targets import Patcher
 
         HOST = DISTRIBUTION = "fakehost"
@@ -42,6 +43,8 @@ HOST_FILES = {
 
         def is_patched():
             return bool(_patcher)
+
+        ADAPTER = register(ModuleAdapter(sys.modules[__name__]))
     """),
 }
 

@@ -59,7 +59,7 @@ def hosts_found() -> list[tuple[str, str | None, str, bool]]:
     from ..patching import host_adapters as integrations
 
     rows = []
-    for host in integrations.ADAPTERS:
+    for host in integrations.known_hosts():
         adapter = integrations.adapter_for(host)
         version = adapter.get_version()
         lowest, first_unsupported = adapter.SUPPORTED

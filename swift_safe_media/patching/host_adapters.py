@@ -1,52 +1,32 @@
-"""Host-framework adapters, applied when their host is imported.
+"""Host-framework adapters: the protocol every host's folder fills in
+(:class:`HostAdapter`), the registry adapters put themselves in (:func:`register`), and
+turning hosts on and off as they are imported.
 
-Each adapter module (one per host, dd-trace style) provides:
+A host is one folder, ``swift_safe_media/hosts/<host>/``, whose ``adapter.py`` fills in
+the protocol and ends with ``ADAPTER = register(ModuleAdapter(sys.modules[__name__]))``; the folder's
+name is the host's top-level import name (docs/how-it-works.md#a-new-host). The core asks
+the registry, never an adapter's module: :func:`adapter_for` loads a host's adapter by
+that convention the first time it is asked for.
 
-- ``HOST``: the host's top-level import name; ``DISTRIBUTION``: its package name;
-- ``SUPPORTED``: ``(lowest, first_unsupported)`` version tuples, declared once;
-- ``TRIGGER_MODULES``: modules whose import (re)applies the patch;
-- ``get_version()``: the installed host version, or None;
-- ``patch()`` / ``unpatch()`` / ``is_patched()``: idempotent; ``unpatch`` restores exactly
-  (and undoes anything else ``patch`` registered);
-- optionally ``register_flags()`` with ``FLAG_MODULES``: adds the host's command-line
-  flags (:mod:`.flags`) once one of those modules is imported; they must parse even
-  while the package is off, so a command line that has them never breaks;
-- optionally ``WORKER_PRELOAD``: modules DataLoader workers need to unpickle the host's
-  dataset, imported once by the warm forkserver (:mod:`..warm_start`);
-- optionally ``worker_start_method(loader)``: the start method the host's DataLoader
-  ``loader`` should start its workers with, or None to leave it; asked as the loader
-  starts its workers: row 1 of the decision in :mod:`..workers.start_method`;
-- optionally ``command_line_asks_for_protection()``: True when this process's command
-  line turns protection on, so the decoders are checked as the host starts importing;
-- optionally ``unsupported()``: why the installed version, inside ``SUPPORTED``, cannot be
-  patched (its layout is none the adapter declares), or None. Either way it is left
-  untouched as a whole, with one warning.
-
-The targets are data: a table of :class:`._patching.Target` rows (functions and methods
-alike) in a :class:`._patching.Patches`, which provides ``patch`` / ``unpatch`` /
-``is_patched``. The protocol is checked when an adapter is first loaded.
-
-``patch`` fails open: if it raises, the host is restored, one warning is logged, and
-training goes on without protection rather than not at all.
+The targets are data: a table of :class:`.targets.Target` rows (functions and methods
+alike) in a :class:`.targets.Patches`, which provides ``patch`` / ``unpatch`` /
+``is_patched``. ``patch`` fails open: if it raises, the host is restored, one warning is
+logged, and training goes on without protection rather than not at all.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
+import pkgutil
 import re
 
 from .. import config
 from . import import_hooks as _imports
 
 log = logging.getLogger("swift_safe_media")
-
-ADAPTERS = {
-    "swift": "swift_safe_media.hosts.swift.adapter",
-    "lerobot": "swift_safe_media.hosts.lerobot.adapter",
-    "llamafactory": "swift_safe_media.hosts.llamafactory.adapter",
-}
 
 ENABLED = config.ENABLED
 
@@ -77,7 +57,7 @@ def is_supported(adapter) -> bool:
         _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version} is outside the "
                                  f"supported range {_range(adapter.SUPPORTED)}; leaving it untouched")
         return False
-    reason = getattr(adapter, "unsupported", lambda: None)()
+    reason = adapter.unsupported()
     if reason:
         _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version}: {reason}; "
                                  f"leaving it untouched")
@@ -96,18 +76,78 @@ def _warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
+class HostAdapter:
+    """What a host's adapter provides. The first eight are required; the rest are optional
+    hooks whose defaults here do nothing."""
+
+    HOST: str  # the host's top-level import name (its folder under hosts/)
+    DISTRIBUTION: str  # its package name, as pip knows it
+    SUPPORTED: tuple[tuple[int, ...], tuple[int, ...]]  # (lowest, first_unsupported) versions
+    TRIGGER_MODULES: tuple[str, ...]  # modules whose import (re)applies the patch
+
+    def get_version(self) -> str | None:
+        """The installed host version, or None."""
+        raise NotImplementedError
+
+    def patch(self) -> None:
+        """Idempotent; patches what of the target table is loaded now."""
+        raise NotImplementedError
+
+    def unpatch(self) -> None:
+        """Restores exactly (and undoes anything else ``patch`` registered)."""
+        raise NotImplementedError
+
+    def is_patched(self) -> bool:
+        raise NotImplementedError
+
+    # Optional: the host's command-line flags (``hosts/flags.py``), added once one of
+    # FLAG_MODULES is imported; they must parse even while the package is off.
+    FLAG_MODULES: tuple[str, ...] = ()
+
+    def register_flags(self) -> None:
+        """No flags of its own."""
+
+    # Optional: modules DataLoader workers need to unpickle the host's dataset, imported
+    # once by the warm forkserver (workers/forkserver.py).
+    WORKER_PRELOAD: tuple[str, ...] = ()
+
+    def worker_start_method(self, loader) -> str | None:
+        """The start method this host prefers for ``loader`` (row 1 of the decision in
+        workers/start_method.py), or None to leave it to the other rows."""
+        return None
+
+    def command_line_asks_for_protection(self) -> bool:
+        """True when this process's command line turns protection on, so the decoders are
+        checked as the host starts importing."""
+        return False
+
+    def unsupported(self) -> str | None:
+        """Why the installed version, inside SUPPORTED, cannot be patched (its layout is
+        none the adapter declares), or None. Either way it is left untouched, with one warning."""
+        return None
+
+
 REQUIRED = ("HOST", "DISTRIBUTION", "SUPPORTED", "TRIGGER_MODULES", "get_version", "patch", "unpatch",
             "is_patched")
-_checked: set[str] = set()
+OPTIONAL = ("FLAG_MODULES", "register_flags", "WORKER_PRELOAD", "worker_start_method",
+            "command_line_asks_for_protection", "unsupported")
 
 
-def adapter_for(host: str):
-    """The adapter module of ``host``, checked against the protocol above when first loaded."""
-    adapter = importlib.import_module(ADAPTERS[host])
-    if adapter.__name__ not in _checked:
-        check_adapter(adapter)
-        _checked.add(adapter.__name__)
-    return adapter
+class ModuleAdapter(HostAdapter):
+    """An adapter written as a module, as ours are: its module-level names fill in the
+    protocol, what it lacks keeps :class:`HostAdapter`'s default, and its other names
+    (``TARGETS``, ``PATCHES``, ...) are found on the adapter too, read when asked (a
+    module may compute some, such as LeRobot's ``TRIGGER_MODULES``, from what is installed)."""
+
+    def __init__(self, module):
+        self._module = module
+        self.__name__ = module.__name__
+        for name in REQUIRED + OPTIONAL:
+            if name in vars(module):
+                setattr(self, name, vars(module)[name])
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_module"], name)
 
 
 def check_adapter(adapter) -> None:
@@ -123,6 +163,39 @@ def check_adapter(adapter) -> None:
     if missing:
         raise TypeError(f"swift_safe_media: adapter {adapter.__name__} does not follow the adapter "
                         f"protocol: {', '.join(missing)}")
+
+
+HOSTS_PACKAGE = "swift_safe_media.hosts"
+_registry: dict[str, HostAdapter] = {}
+
+
+def register(adapter: HostAdapter) -> HostAdapter:
+    """Put ``adapter`` in the registry (an adapter module's last line), checked against the
+    protocol: a TypeError names what it lacks."""
+    host = getattr(adapter, "HOST", None)
+    if host is not None:
+        # In first: checking may look at the installed host, whose start-up hook asks for this adapter.
+        _registry[host] = adapter
+    try:
+        check_adapter(getattr(adapter, "_module", adapter))
+    except TypeError:
+        _registry.pop(host, None)
+        raise
+    return adapter
+
+
+def known_hosts() -> list[str]:
+    """The hosts with a folder under hosts/, and any other adapter registered."""
+    spec = importlib.util.find_spec(HOSTS_PACKAGE)
+    folders = [found.name for found in pkgutil.iter_modules(spec.submodule_search_locations) if found.ispkg]
+    return sorted(set(folders) | set(_registry))
+
+
+def adapter_for(host: str) -> HostAdapter:
+    """The registered adapter of ``host``, loaded from its folder the first time it is asked for."""
+    if host not in _registry:
+        importlib.import_module(f"{HOSTS_PACKAGE}.{host}.adapter")  # registers itself
+    return _registry[host]
 
 
 def _apply(host: str) -> None:
@@ -145,7 +218,7 @@ def enable_hosts(hosts=None) -> None:
     from . import media_libraries as media
 
     media.enable()  # the media libraries' entry points, with any host or none
-    for host in hosts or ADAPTERS:
+    for host in hosts or known_hosts():
         if host in _enabled_hosts:
             continue
         _enabled_hosts.add(host)
@@ -169,8 +242,7 @@ def hosts_worker_start_method(loader) -> str | None:
     """The start method an enabled host's adapter prefers for ``loader``, or None (the
     decision is :mod:`..workers.start_method`'s)."""
     for host in sorted(_enabled_hosts):
-        choose = getattr(adapter_for(host), "worker_start_method", None)
-        method = choose(loader) if choose is not None else None
+        method = adapter_for(host).worker_start_method(loader)
         if method:
             return method
     return None

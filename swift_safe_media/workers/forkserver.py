@@ -126,8 +126,8 @@ def worker_preload(hosts) -> list[str]:
     from ..patching import host_adapters as integrations
 
     names = list(config.preload_modules())
-    for host in hosts or [host for host in integrations.ADAPTERS if host in sys.modules]:
-        names += getattr(integrations.adapter_for(host), "WORKER_PRELOAD", ())
+    for host in hosts or [host for host in integrations.known_hosts() if host in sys.modules]:
+        names += integrations.adapter_for(host).WORKER_PRELOAD
     names += config.get(config.WORKER_PRELOAD)
     return list(dict.fromkeys(names))
 

@@ -29,7 +29,7 @@ import sys
 
 from ... import config
 from ...engine import calls as engine
-from ...patching.host_adapters import env_state, installed_version
+from ...patching.host_adapters import ModuleAdapter, env_state, installed_version, register
 from .. import flags
 from . import layouts
 from ...patching.targets import Patches
@@ -119,3 +119,5 @@ def register_flags() -> None:
         values[flags.ENABLED] = True  # again if on already: the stats folder follows the registry
     flags.apply(values, HOST)
 
+
+ADAPTER = register(ModuleAdapter(sys.modules[__name__]))  # the protocol of patching/host_adapters.py, filled in

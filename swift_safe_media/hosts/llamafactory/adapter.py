@@ -29,7 +29,7 @@ import sys
 from ... import config, process
 from ...engine import calls as engine
 from ...records import summary
-from ...patching.host_adapters import env_state, installed_version
+from ...patching.host_adapters import ModuleAdapter, env_state, installed_version, register
 from .. import flags
 from ...patching.targets import Patcher, Patches, Target, original_of
 from .decode import MM_PLUGIN, import_llamafactory_in_sandbox
@@ -150,3 +150,5 @@ def read_args_taking_flags(stock, args=None):
 def _option(key) -> str:
     return "--" + str(key).lstrip("-")
 
+
+ADAPTER = register(ModuleAdapter(sys.modules[__name__]))  # the protocol of patching/host_adapters.py, filled in

@@ -36,7 +36,7 @@ from ... import config, process
 from ...records import summary
 from ...records.budget import ErrorBudgetExceeded, process_budget
 from ...errors import MediaDecodeError
-from ...patching.host_adapters import env_state, installed_version
+from ...patching.host_adapters import ModuleAdapter, env_state, installed_version, register
 from .. import flags
 from . import inference as swift_inference
 from ...patching.targets import Patcher, Patches, Target
@@ -371,3 +371,6 @@ def protect_run(args) -> None:
 
 def _has_field(class_type, name: str) -> bool:
     return dataclasses.is_dataclass(class_type) and any(field.name == name for field in dataclasses.fields(class_type))
+
+
+ADAPTER = register(ModuleAdapter(sys.modules[__name__]))  # the protocol of patching/host_adapters.py, filled in
