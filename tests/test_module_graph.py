@@ -1,5 +1,6 @@
-"""The package's modules import each other without cycles, and none outgrows one
-concern (at most ``MAX_MODULE_LINES`` lines).
+"""The package's modules import each other without cycles and in one direction (the core
+never up into the host adapters), none outgrows one concern (at most ``MAX_MODULE_LINES``
+lines), and no function is longer than ``MAX_FUNCTION_LINES``.
 
 The graph is read from the source (the AST), imports inside functions included: a
 lazy import that only hides a cycle from the interpreter is still a cycle for the
@@ -136,6 +137,35 @@ def test_every_subpackage_says_what_it_owns_and_may_import():
     for init in sorted(PACKAGE.glob("*/**/__init__.py")):
         docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert len(docstring.split()) >= 20, f"{init.relative_to(PACKAGE.parent)}: say what it owns"
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(package: pathlib.Path = PACKAGE) -> dict[str, int]:
+    """'module:function' -> its lines (decorators, docstring and body), for every function
+    or method over ``MAX_FUNCTION_LINES``."""
+    long = {}
+    for name, path in module_names(package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+                if node.end_lineno - first + 1 > MAX_FUNCTION_LINES:
+                    long[f"{name}:{node.name}"] = node.end_lineno - first + 1
+    return long
+
+
+def test_no_function_is_over_the_line_limit():
+    long = long_functions()
+    assert not long, f"split these (at most {MAX_FUNCTION_LINES} lines a function): {long}"
+
+
+def test_a_long_function_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("def short():\n    return 1\n")
+    (package / "long.py").write_text("def long():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert long_functions(package) == {"pkg.long:long": MAX_FUNCTION_LINES + 1}
 
 
 def test_a_cycle_is_found():

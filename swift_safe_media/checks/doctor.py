@@ -59,7 +59,10 @@ def hosts_found() -> list[tuple[str, str | None, str, bool]]:
     from ..patching import host_adapters as integrations
 
     rows = []
-    for host in integrations.known_hosts():
+    import _swift_safe_media_startup as hook  # the hosts in the order it watches them (ms-swift first)
+
+    known = integrations.known_hosts()
+    for host in [host for host in hook._HOSTS if host in known] + [host for host in known if host not in hook._HOSTS]:
         adapter = integrations.adapter_for(host)
         version = adapter.get_version()
         lowest, first_unsupported = adapter.SUPPORTED
@@ -174,6 +177,21 @@ def _line(label: str, text: str, mark: str = "") -> str:
     return f"  {label:<15} {text}" + (f"  [{mark}]" if mark else "")
 
 
+def _say_decoders(say, findings) -> None:
+    say("\ndecoders")
+    for finding in findings:
+        text = " ".join(part for part in (finding.version or ("not installed" if not finding.ok else ""),
+                                          f"({finding.detail})" if finding.detail else "") if part)
+        say(_line(finding.name, text, "ok" if finding.ok else "MISSING" if not finding.version else "BROKEN"))
+    torch_version = next((f.version for f in findings if f.name == "torch"), None)
+    torchcodec = next((f for f in findings if f.name == "torchcodec"), None)
+    if torch_version and torchcodec is not None:
+        wanted = preflight.torchcodec_requirement(torch_version)
+        verdict = ("they load together" if torchcodec.ok and torchcodec.version
+                   else "they do not load together" if torchcodec.version else "install it")
+        say(_line("pairing", f"torch {torch_version} goes with {wanted} (torchcodec's table); {verdict}"))
+
+
 def report(out=sys.stdout) -> int:
     from .. import __version__
 
@@ -189,18 +207,7 @@ def report(out=sys.stdout) -> int:
     problems = [finding for finding in findings if not finding.ok and finding.required]
     warnings = [finding for finding in findings if not finding.ok and not finding.required]
 
-    say("\ndecoders")
-    for finding in findings:
-        text = " ".join(part for part in (finding.version or ("not installed" if not finding.ok else ""),
-                                          f"({finding.detail})" if finding.detail else "") if part)
-        say(_line(finding.name, text, "ok" if finding.ok else "MISSING" if not finding.version else "BROKEN"))
-    torch_version = next((f.version for f in findings if f.name == "torch"), None)
-    torchcodec = next((f for f in findings if f.name == "torchcodec"), None)
-    if torch_version and torchcodec is not None:
-        wanted = preflight.torchcodec_requirement(torch_version)
-        verdict = ("they load together" if torchcodec.ok and torchcodec.version
-                   else "they do not load together" if torchcodec.version else "install it")
-        say(_line("pairing", f"torch {torch_version} goes with {wanted} (torchcodec's table); {verdict}"))
+    _say_decoders(say, findings)
 
     say("\nhosts")
     for name, version, span, supported in hosts:

@@ -23,15 +23,16 @@ from ..confinement import handed
 from ..records import watchdog
 from ..records.accounting import Accounting
 from ..errors import MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault, MediaQuarantined
-from .pool import (Engine, RemoteTraceback, describe_status, forget_sandbox_setup, get_engine,
+from .pool import (RemoteTraceback, SandboxPool, describe_status, forget_sandbox_setup, get_engine,
                    set_up_sandboxes, shutdown)
+from .pool import SandboxPool as Engine  # its old name
 from .sandbox import in_sandbox, mark_in_sandbox
 
 log = logging.getLogger("swift_safe_media")
 
 __all__ = ["call", "call_each", "isolated", "fetch", "SharedTimeout", "path_hint", "FAILED_PATH",
            # re-exported from .pool and .sandbox
-           "Engine", "RemoteTraceback", "describe_status", "get_engine", "shutdown",
+           "SandboxPool", "Engine", "RemoteTraceback", "describe_status", "get_engine", "shutdown",
            "set_up_sandboxes", "forget_sandbox_setup", "in_sandbox", "mark_in_sandbox"]
 
 
@@ -254,13 +255,9 @@ def _raise_given_up(exc: BaseException, failed_path=None):
     raise final from exc
 
 
-def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
-    """``call_each(parallel=True)``: the calls start together on threads of one sandbox, so
-    each call's own timeout runs from that start (one deadline for all). The sandbox says
-    as each call ends; an error is pinned on the first call (in order) that failed, a
-    timeout or a crash on the one call still running. With several still running, which
-    one hung (a hang holding the GIL stops the others too) or crashed is not known: the
-    batch runs again one call after another, which pins it on its own file."""
+def _begin_batch(fn, paths) -> tuple[list[Accounting], object]:
+    """One accounting per call of a parallel batch, each checked against the quarantine
+    (a refused file fails the batch before it starts) and begun; the batch's tracker."""
     accountings = [Accounting(fn) for _ in paths]
     try:
         for accounting, path in zip(accountings, paths):
@@ -272,6 +269,17 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
     for accounting, path in zip(accountings, paths):
         accounting.tracker = None  # one in-flight marker for the batch, naming the call it would blame
         accounting.begin(path)
+    return accountings, tracker
+
+
+def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
+    """``call_each(parallel=True)``: the calls start together on threads of one sandbox, so
+    each call's own timeout runs from that start (one deadline for all). The sandbox says
+    as each call ends; an error is pinned on the first call (in order) that failed, a
+    timeout or a crash on the one call still running. With several still running, which
+    one hung (a hang holding the GIL stops the others too) or crashed is not known: the
+    batch runs again one call after another, which pins it on its own file."""
+    accountings, tracker = _begin_batch(fn, paths)
     pending, failed = set(range(len(paths))), []
 
     def culprit() -> int:

@@ -1,4 +1,4 @@
-"""The pool behind ``call``: one :class:`Engine` per calling process.
+"""The pool behind ``call``: one :class:`SandboxPool` per calling process.
 
 One pool of sandboxes per calling process (one sandbox unless ``SWIFT_SAFE_MEDIA_SANDBOXES``
 says more). Threads of one process share the pool: a caller waits for a free sandbox, and the
@@ -6,7 +6,7 @@ timeout counts only the time its function runs, so a slow neighbour never turns 
 timeout. DataLoader workers are separate processes and each gets its own pool; a forked child
 drops the pool it inherited and starts its own.
 
-:meth:`Engine.run` is one exchange with a sandbox: send the request, wait for the
+:meth:`SandboxPool.run` is one exchange with a sandbox: send the request, wait for the
 result under the timeout, and on overrun or death kill the sandbox, start its
 successor at once and raise the typed error. Sandboxes come from the zygote
 (:mod:`.zygote`); what runs inside them is :mod:`.sandbox`.
@@ -63,7 +63,7 @@ def forget_sandbox_setup(fn) -> None:
         _sandbox_setups.remove(fn)
 
 
-class Engine:
+class SandboxPool:
     """A pool of sandboxes: confined ones (the default) or, for fetches and functions
     that need the network, unconfined ones."""
 
@@ -366,7 +366,7 @@ def _rebuild_exception(exc, details, path, elapsed, pid):
     return exc
 
 
-def get_engine(confined: bool | None = None) -> Engine:
+def get_engine(confined: bool | None = None) -> SandboxPool:
     """This process's pool of confined sandboxes (unless ``SWIFT_SAFE_MEDIA_CONFINE=0``),
     or with ``confined=False`` its pool of unconfined ones (a forked child gets its own:
     see :mod:`.process`)."""
@@ -378,7 +378,7 @@ def get_engine(confined: bool | None = None) -> Engine:
             if confined not in state.engines:
                 if confined:
                     confine.warn_once_if_missing()
-                state.engines[confined] = Engine(confined)
+                state.engines[confined] = SandboxPool(confined)
             engine = state.engines[confined]
     return engine
 

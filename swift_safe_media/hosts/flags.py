@@ -118,13 +118,16 @@ def take_flags(argv: list[str]) -> tuple[dict, list[str]]:
     return values, remaining
 
 
-def value_of(argv: list[str], option: str) -> str | None:
-    """The value of a host's ``option`` on a command line (``--name=value`` or ``--name value``)."""
+def argument(argv: list[str], option: str) -> str | None:
+    """The value of ``option`` (``--name``) on a host's command line, ``--name=value`` or
+    ``--name value``: ``""`` when it is there without a value, None when it is not there.
+    The one reader of the hosts' command lines (ms-swift's, LeRobot's, LLaMA-Factory's)."""
     for position, arg in enumerate(argv):
         if arg.startswith(option + "="):
-            return arg.split("=", 1)[1] or None
-        if arg == option and position + 1 < len(argv):
-            return argv[position + 1]
+            return arg.split("=", 1)[1]
+        if arg == option:
+            following = argv[position + 1] if position + 1 < len(argv) else ""
+            return "" if following.startswith("--") else following
     return None
 
 

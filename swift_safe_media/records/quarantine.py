@@ -216,7 +216,7 @@ class Registry:
         """This process's own file in the registry folder."""
         pid = os.getpid()
         if self._writer is None or self._writer[0] != pid:
-            name = f"{_host_label()}-rank{int(os.environ.get('RANK', 0))}-pid{pid}-{os.urandom(4).hex()}.jsonl"
+            name = f"{_host_label()}-rank{process.rank()}-pid{pid}-{os.urandom(4).hex()}.jsonl"
             self._writer = (pid, os.path.join(self.folder, name))
         return self._writer[1]
 

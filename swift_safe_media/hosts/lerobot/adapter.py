@@ -109,7 +109,7 @@ def register_flags() -> None:
     sys.argv[1:] = remaining
     enabled = values.get(flags.ENABLED)
     protected = enabled is True or (enabled is None and env_state())
-    output_dir, log_freq = flags.value_of(remaining, "--output_dir"), flags.value_of(remaining, "--log_freq")
+    output_dir, log_freq = flags.argument(remaining, "--output_dir"), flags.argument(remaining, "--log_freq")
     if protected and output_dir and "quarantine" not in values and not config.is_set(config.QUARANTINE):
         # Only named now: lerobot-train refuses an output_dir that already exists.
         values["quarantine"] = os.path.join(output_dir, *QUARANTINE_UNDER_OUTPUT_DIR)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ... import config, process
 from ...records import summary
+from .. import flags
 from . import layouts
 
 log = logging.getLogger("swift_safe_media")
@@ -138,24 +139,12 @@ def _named_by_user(cfg, argv=None) -> bool:
     value = getattr(cfg, START_METHOD_FIELD, None)
     if value != _field_default(type(cfg)):
         return True
-    if _argument(argv, START_METHOD_FIELD) is not None:
+    if flags.argument(argv, f"--{START_METHOD_FIELD}") is not None:
         return True
-    config_path = _argument(argv, "config_path")
-    if config_path is None or (_argument(argv, "resume") or "").lower() in ("true", "1", "yes"):
+    config_path = flags.argument(argv, "--config_path")
+    if config_path is None or (flags.argument(argv, "--resume") or "").lower() in ("true", "1", "yes"):
         return False
     return START_METHOD_FIELD in _config_file(config_path)
-
-
-def _argument(argv: list[str], name: str) -> str | None:
-    """The value of ``--name`` on a LeRobot command line (``--name=value`` or ``--name value``)."""
-    option = f"--{name}"
-    for position, arg in enumerate(argv):
-        if arg.startswith(option + "="):
-            return arg.split("=", 1)[1]
-        if arg == option:
-            following = argv[position + 1] if position + 1 < len(argv) else ""
-            return "" if following.startswith("--") else following
-    return None
 
 
 def _config_file(path: str) -> dict:

@@ -134,7 +134,7 @@ def read_args_taking_flags(stock, args=None):
         output_dir, workers = read.get("output_dir"), read.get("dataloader_num_workers")
     elif isinstance(read, list):
         values, read = flags.take_flags(read)
-        output_dir, workers = flags.value_of(read, "--output_dir"), flags.value_of(read, "--dataloader_num_workers")
+        output_dir, workers = flags.argument(read, "--output_dir"), flags.argument(read, "--dataloader_num_workers")
     else:
         return read
     enabled = values.get(flags.ENABLED)

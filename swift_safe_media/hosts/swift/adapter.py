@@ -282,19 +282,6 @@ _MP_FLAG = "--dataloader_multiprocessing_context"
 _PERSISTENT_FLAG = "--dataloader_persistent_workers"
 
 
-def _given(argv: list[str], flag: str) -> bool:
-    return any(arg.split("=")[0] == flag for arg in argv)
-
-
-def _argument(argv: list[str], flag: str) -> str | None:
-    """The value of ``flag`` on the command line (``--flag value`` or ``--flag=value``)."""
-    for position, arg in enumerate(argv):
-        name, has_value, value = arg.partition("=")
-        if name == flag:
-            return value if has_value else (argv[position + 1] if position + 1 < len(argv) else None)
-    return None
-
-
 def register_flags() -> None:
     """Teach ms-swift's ``parse_args`` (every pipeline: sft, pt, rlhf, infer, export, ...) the flags."""
     module = sys.modules["swift.utils.utils"]
@@ -320,11 +307,11 @@ def parse_args(original, class_type, argv=None):
     apply_flags(ours)
     mp_context = config.mp_context()
     if (env_state() and mp_context != "default" and _has_field(class_type, "dataloader_multiprocessing_context")
-            and not _given(rest, _MP_FLAG)):
+            and flags.argument(rest, _MP_FLAG) is None):
         rest += [_MP_FLAG, mp_context]
         RUN.start_method_chosen_for_user = mp_context
     if (env_state() and _has_field(class_type, "dataloader_persistent_workers")
-            and not _given(rest, _PERSISTENT_FLAG) and _argument(rest, "--dataloader_num_workers") != "0"):
+            and flags.argument(rest, _PERSISTENT_FLAG) is None and flags.argument(rest, "--dataloader_num_workers") != "0"):
         # Workers (each with its zygote and sandbox) start once per run, not at every
         # epoch and evaluation. ms-swift 4.6 defaults to this; 4.0-4.5 do not.
         rest += [_PERSISTENT_FLAG, "true"]
