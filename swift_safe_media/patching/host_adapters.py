@@ -142,12 +142,17 @@ class ModuleAdapter(HostAdapter):
     def __init__(self, module):
         self._module = module
         self.__name__ = module.__name__
-        for name in REQUIRED + OPTIONAL:
-            if name in vars(module):
-                setattr(self, name, vars(module)[name])
+
+    def __getattribute__(self, name):
+        # Read from the module each time (a test may replace a module's function).
+        if name in REQUIRED or name in OPTIONAL:
+            module = object.__getattribute__(self, "_module")
+            if name in REQUIRED or name in vars(module):
+                return getattr(module, name)
+        return object.__getattribute__(self, name)
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["_module"], name)
+        return getattr(object.__getattribute__(self, "_module"), name)
 
 
 def check_adapter(adapter) -> None:
