@@ -1,13 +1,13 @@
 """Media files handed to a decode as open descriptors: a confined sandbox opens nothing by name.
 
-A confined sandbox may read only what decoding needs (:mod:`.confine_reads`), and the
+A confined sandbox may read only what decoding needs (:mod:`.reads`), and the
 media is not among it: the caller, who may read it anyway, opens each file it hands to
 a decode and sends the descriptor with the request, as Android's media extractor gets
 its input. A path the caller means to hand is a :class:`HandedPath` (a ``str``: code
 that takes a path takes it unchanged); pickled in the caller it opens the file
 (regular files only, ``O_NONBLOCK``: a FIFO never blocks the caller) and travels as
-that descriptor (:func:`hand_over`, used by :mod:`.pickling`; the descriptors ride with
-the message, see :mod:`.transport`). In the sandbox it comes back as the same path,
+that descriptor (:func:`hand_over`, used by :mod:`..engine.pickling`; the descriptors ride with
+the message, see :mod:`..engine.transport`). In the sandbox it comes back as the same path,
 whose descriptor is kept for the request (:func:`received`, :func:`release`).
 
 Sandbox side, every reader of a media path asks here: :func:`open_fd` and :func:`stat`

@@ -13,11 +13,11 @@ that each hold alone:
 - Landlock (the best ABI the kernel has) refusing every file write, create, remove,
   rename, link and truncate, TCP bind/connect (ABI 4), abstract Unix sockets and
   signals outside the sandbox (ABI 6), and every read but what decoding needs
-  (:mod:`.confine_reads`; the media comes as descriptors, :mod:`.handed`), widened by
+  (:mod:`.reads`; the media comes as descriptors, :mod:`.handed`), widened by
   ``SWIFT_SAFE_MEDIA_READ_ROOTS``.
 
-What a sandbox holds and prints besides: :mod:`.confine_env` (an allow-listed
-environment), :mod:`.confine_output` (its stdout and stderr, captured).
+What a sandbox holds and prints besides: :mod:`.environment` (an allow-listed
+environment), :mod:`.output` (its stdout and stderr, captured).
 
 A refused call fails with an errno of ``REFUSED_ERRNO_BASE`` + its syscall number
 rather than killing the sandbox, so the refusal reaches the caller as an error that
@@ -27,7 +27,7 @@ plain EACCES; ``refusal()`` names them when the file's own permissions would all
 write. The policy is built once per zygote (``prepare``) and applied in each forked
 sandbox (``apply``: its Landlock rules, laid out in the zygote, one system call each, and
 its own ``/proc/<pid>``; then the filter); the kernel interfaces are in
-:mod:`.confine_kernel`, so confinement costs no start-up time
+:mod:`.kernel`, so confinement costs no start-up time
 one can measure.
 """
 
@@ -290,7 +290,7 @@ def opens_by_name() -> bool:
     """Whether a confined sandbox can open a media file by its name. Where reads are limited
     it cannot (the media comes as a descriptor, and Landlock refuses reopening it through
     /proc/self/fd): code we do not own that opens the file natively by name (the stock
-    entry points of :mod:`.decoders.stock`, LLaMA-Factory's plugins) then runs in an
+    entry points of :mod:`..decoders.stock`, LLaMA-Factory's plugins) then runs in an
     unconfined sandbox, still isolated, bounded and with the allow-listed environment."""
     return abi_reads_unlimited(config.read_roots())
 

@@ -5,7 +5,7 @@ Where the rest lives: the pool of sandboxes and one exchange with a sandbox in
 :mod:`.pool` (``get_engine``, ``shutdown``, ``set_up_sandboxes``), both ends of the
 zygote protocol in :mod:`.zygote`, the sandbox's side in :mod:`.sandbox`, messages and
 shared memory in :mod:`.transport`, and what is counted around each decode (quarantine,
-in-flight marker, statistics) in :mod:`.accounting`. Those names are re-exported here,
+in-flight marker, statistics) in :mod:`..records.accounting`. Those names are re-exported here,
 where callers have always found them.
 """
 

@@ -4,7 +4,7 @@ A file's failure (a decode error, a timeout while its sandbox ran or waited on t
 file, a signal the decode raised itself, the sandbox's own memory cap) may quarantine
 the file. A machine's failure (a SIGKILL the engine did not send, the OOM killer, a
 sandbox that could not start, a zygote or transport gone, a machine resource that ran
-out) never does: the call retries it in a fresh sandbox (see :mod:`.engine`).
+out) never does: the call retries it in a fresh sandbox (see :mod:`.calls`).
 
 The readers here are what the kernel says about the machine:
 

@@ -369,7 +369,7 @@ def _rebuild_exception(exc, details, path, elapsed, pid):
 def get_engine(confined: bool | None = None) -> SandboxPool:
     """This process's pool of confined sandboxes (unless ``SWIFT_SAFE_MEDIA_CONFINE=0``),
     or with ``confined=False`` its pool of unconfined ones (a forked child gets its own:
-    see :mod:`.process`)."""
+    see :mod:`..process`)."""
     confined = config.confine() if confined is None else confined and config.confine()
     state = process.current()
     engine = state.engines.get(confined)

@@ -1,7 +1,7 @@
 """The zygote a training process (a rank) shares with its DataLoader workers: its
 owner's end (the protocol itself is :mod:`.zygote`).
 
-One zygote per rank instead of one per worker, started early (see :mod:`.warm_start`)
+One zygote per rank instead of one per worker, started early (see :mod:`..workers.forkserver`)
 so its imports are done by the first batch. Callers reach it through a Unix socket in a
 private folder (:mod:`.run_folders`), named in the internal setting
 ``SWIFT_SAFE_MEDIA_ZYGOTE`` (inherited by workers); each still gets its own sandboxes,

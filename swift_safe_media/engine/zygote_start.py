@@ -4,7 +4,7 @@
 - **Start by exec**: :func:`popen_zygote` runs a fresh interpreter (never a fork of the
   caller, which may have threads) with the caller's environment, thread pools of one
   thread, and the package's own folder first on ``PYTHONPATH``, in a neutral directory.
-  (The warm forkserver forks one instead: :mod:`.warm_start`.)
+  (The warm forkserver forks one instead: :mod:`..workers.forkserver`.)
 - **The preparation**: what the caller sends first (:func:`preparation`): its import
   path, argv, directory and main module, what to preload, whether sandboxes are confined,
   and the caller's pid and temporary folders (removed if the caller dies: see
@@ -36,7 +36,7 @@ log = logging.getLogger("swift_safe_media")
 NEUTRAL_DIRECTORY = "/"
 
 _PREP_ENV = "_SWIFT_SAFE_MEDIA_PREP"  # the preparation, for a sandbox started by exec
-# Set by the warm forkserver (:mod:`.warm_start`) for what it forks: its own thread count
+# Set by the warm forkserver (:mod:`..workers.forkserver`) for what it forks: its own thread count
 # after its imports, which the zygote it forks reports in READY (more than 1: unsafe).
 PARENT_THREADS_ENV = "_SWIFT_SAFE_MEDIA_FORKSERVER_THREADS"
 
@@ -64,7 +64,7 @@ def zygote_environment() -> dict:
 
 
 def environment_for_sandbox() -> dict:
-    """The caller's environment (its allowed part, :mod:`.confine_env`), which a sandbox
+    """The caller's environment (its allowed part, :mod:`..confinement.environment`), which a sandbox
     takes instead of the zygote's: the caller may have changed it since the zygote started
     (a shared zygote starts at ``enable()``), and the thread budget is resolved here, where
     the DataLoader's worker count is known."""

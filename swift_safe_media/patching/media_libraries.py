@@ -8,12 +8,12 @@ stand-in in :mod:`..decoders.stock`, which runs the stock function itself in the
 sandbox. They are patched where they are defined and in every loaded module of their
 packages that copied them, as each is imported, by ``enable()`` (no host needed: a
 plain PyTorch script is covered) and by any host's adapter; DataLoader workers patch
-them as they start (:mod:`..plain_workers`). Under ms-swift a failure is logged and
+them as they start (:mod:`..workers.plain`). Under ms-swift a failure is logged and
 counted as its own loaders' are.
 
 Object-shaped openers (``decord.VideoReader``, ``cv2.VideoCapture``, ``av.open``) are
 not proxied: each is reached through one of these entry points or a twin, and
-:mod:`.swift_coverage` names any template that reaches one otherwise.
+:mod:`..hosts.swift.coverage` names any template that reaches one otherwise.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Imported first by the warm forkserver (see :mod:`.warm_start`): its imports, once."""
+"""Imported first by the warm forkserver (see :mod:`.forkserver`): its imports, once."""
 
 from .forkserver import preload_in_forkserver
 

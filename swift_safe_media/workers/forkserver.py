@@ -304,7 +304,7 @@ def _zygote_skips_main_script() -> None:
     ``if __name__ == "__main__":`` decodes at its top level. In the zygote, that decode
     would wait for the zygote itself (it has not started serving) until the start-up
     timeout. The zygote needs nothing of the main script (a sandbox loads the functions a
-    call names there, see :mod:`.sandbox`), so its preparation leaves the script out."""
+    call names there, see :mod:`..engine.sandbox`), so its preparation leaves the script out."""
     from multiprocessing import spawn
 
     prepare = spawn.prepare

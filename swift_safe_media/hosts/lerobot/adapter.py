@@ -2,17 +2,17 @@
 workers' start method, the run summary and the command-line flags.
 
 One adapter for every LeRobot line: the patch-target table is chosen by what the
-installed LeRobot has (:mod:`.lerobot_layouts`: the first declared layout whose every
+installed LeRobot has (:mod:`.layouts`: the first declared layout whose every
 function is defined, with the parameters expected, in LeRobot's source), never by a copy
 of the adapter per version. A LeRobot that matches no layout, or whose version is
 outside ``SUPPORTED``, gets one warning and is left untouched as a whole.
 
-- :mod:`.lerobot_decode`: every decode of the training path (``LeRobotDataset``,
+- :mod:`.decode`: every decode of the training path (``LeRobotDataset``,
   ``MultiLeRobotDataset``, ``StreamingLeRobotDataset``; RGB and depth; torchcodec and
   PyAV) in the sandbox with the timeout, a sample's cameras in one round trip (at once
   where LeRobot decodes them on threads), frames bit-identical to stock;
-- :mod:`.lerobot_substitute`: a sample whose video fails is substituted and named;
-- :mod:`.lerobot_workers`: the workers' start method (LeRobot's default replaced by the
+- :mod:`.substitute`: a sample whose video fails is substituted and named;
+- :mod:`.workers`: the workers' start method (LeRobot's default replaced by the
   warm forkserver, the user's choice kept) and the run summary as batches are drawn;
 - here: the protocol of :mod:`swift_safe_media.patching.host_adapters`, and the flags:
   ``--safe_media=true`` (and ``--safe_media_timeout``, ``_mp_context``, ``_max_memory_mb``,

@@ -1,5 +1,5 @@
 """LeRobot's video decoding, bounded: every decode of the training path runs in the
-engine's sandbox with the timeout, for every layout (:mod:`.lerobot_layouts`).
+engine's sandbox with the timeout, for every layout (:mod:`.layouts`).
 
 - ``decode_video_frames`` (torchcodec and PyAV, RGB and depth) runs in the sandbox, where
   LeRobot's decoder cache (torchcodec decoders keyed by path) lives, so repeated frames of

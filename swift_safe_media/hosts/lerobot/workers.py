@@ -15,7 +15,7 @@ LeRobot's choice alone) unless the start method is the user's own choice:
   eval loader, iterated with a plain ``for``) get ours, unless the DataLoader names a
   start method itself.
 
-The method is set where torch starts the workers (:mod:`..worker_start`), on the torch
+The method is set where torch starts the workers (:mod:`...workers.start`), on the torch
 DataLoader that really runs them: ``lerobot-train`` hands ``cycle`` the wrapper of
 ``accelerator.prepare``, which keeps attribute writes to itself.
 """

@@ -1,12 +1,12 @@
 """LLaMA-Factory adapter (0.9.x): bounded media reads, bad rows dropped or substituted,
 the workers' start method, the run summary and the ``safe_media*`` settings.
 
-- :mod:`.llamafactory_decode`: every media read of ``mm_plugin`` (images, videos, audios,
+- :mod:`.decode`: every media read of ``mm_plugin`` (images, videos, audios,
   the video metadata Qwen-VL plugins read for their token count) in the sandbox with
   the timeout, LLaMA-Factory's own code run there, so outputs are stock's bit for bit;
-- :mod:`.llamafactory_rows`: a row whose media fail is dropped at preprocessing, a
+- :mod:`.rows`: a row whose media fail is dropped at preprocessing, a
   sample whose media fail at collation is replaced by another of its batch;
-- :mod:`.llamafactory_workers`: the workers' start method (the warm forkserver) and the
+- :mod:`.workers`: the workers' start method (the warm forkserver) and the
   collator as a worker receives it (its model as a meta copy);
 - here: the protocol of :mod:`swift_safe_media.patching.host_adapters`, the settings and the summary
   callback.

@@ -17,7 +17,7 @@ defaults to ``<output_dir>/safe_media/quarantine.jsonl``.
 
 DataLoader workers start by ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (``--dataloader_multiprocessing_context``
 is added for ms-swift's and Megatron-SWIFT's argument classes), except those of a
-template that reads its model while it encodes (:mod:`.swift_templates`), which fork
+template that reads its model while it encodes (:mod:`.templates`), which fork
 from the trainer as stock ms-swift's do (:func:`worker_start_method`).
 """
 
@@ -221,7 +221,7 @@ RUN = RunState()
 
 def worker_start_method(loader) -> str | None:
     """``fork`` for a DataLoader whose template reads its model while it encodes (found by
-    :mod:`.swift_templates`), when the start method is the one protection chose: workers
+    :mod:`.templates`), when the start method is the one protection chose: workers
     started by spawn or a forkserver get the template without its model
     (``Template.__getstate__``), so they fork from the trainer as stock ms-swift's do.
     Their decodes still run in sandboxes forked from the clean zygote. A start method the

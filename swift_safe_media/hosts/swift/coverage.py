@@ -3,14 +3,14 @@ from the sources.
 
 From a template's ``encode`` and ``data_collator`` (what runs in a DataLoader worker),
 every method reached through ``self.name``, ``super().name`` and ``Class.name(self)``
-along the class's MRO is read (the walk of :mod:`.swift_templates`), and so is every
+along the class's MRO is read (the walk of :mod:`.templates`), and so is every
 function it names, in any module (``load_batch(..., load_func=partial(load_audio, ...))``
 names ``load_audio`` without calling it), a few steps deep. A name is resolved the way
 Python would: by the function's own imports (``from qwen_vl_utils import fetch_video``
 inside ``replace_tag``), else the module's globals. Each one is
 
 - **bounded**: a function protection replaces (a twin, or stock run in the sandbox:
-  the rows of the ms-swift adapter and of :mod:`.media`); not followed further;
+  the rows of the ms-swift adapter and of :mod:`...patching.media_libraries`); not followed further;
 - **a media opener** (:data:`OPENERS`: ``decord.VideoReader``, ``av.open``,
   ``cv2.VideoCapture``, ``subprocess.run``, ...) reached without passing a bounded
   function: a finding, named by the template method and the call;

@@ -14,11 +14,11 @@ Each command encodes its rows somewhere else, and each gets the host's own way o
 - ``swift deploy``: the transformers engine batches concurrent requests and encodes them
   together (``InferEngine._batch_encode``); a request whose media fail fails alone. Its
   HTTP 400 naming the file, and a media URL's download and decode within one timeout,
-  without holding the event loop: :mod:`.swift_serving`.
+  without holding the event loop: :mod:`.serving`.
 - ``swift export --to_cached_dataset`` and pre-tokenised training: ms-swift's ``map``
   leaves the row out; nothing to patch but the log's wording.
 - ``swift rlhf --rlhf_type grpo`` (``GRPOTrainer._rollout_samples``): rows are checked
-  before the rollout and a row whose media fail is replaced (see :mod:`.swift_rollouts`).
+  before the rollout and a row whose media fail is replaced (see :mod:`.rollouts`).
 
 The log line of a failed decode says what happens next in this mode (:func:`consequence`).
 """
