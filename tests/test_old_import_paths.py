@@ -51,3 +51,17 @@ def test_an_unknown_name_is_still_missing():
         importlib.import_module("swift_safe_media.no_such_module")
     with pytest.raises(AttributeError):
         importlib.import_module("swift_safe_media.engine").no_such_name
+
+
+def test_paths_computed_from_the_package_name_the_folder_that_holds_it():
+    """Modules one folder deeper than before still name the package's parent: the zygote
+    started by exec imports the caller's package from there, and confined sandboxes may read it."""
+    import os
+
+    from swift_safe_media.confinement import reads
+    from swift_safe_media.engine import zygote_start
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(importlib.import_module("swift_safe_media").__file__)))
+    assert zygote_start.zygote_environment()["PYTHONPATH"].split(os.pathsep)[0] == root
+    ours = [path for path, why, _ in reads.roots() if why.startswith("this package")]
+    assert root in ours or any(root.startswith(path + os.sep) for path in ours), ours

@@ -81,7 +81,8 @@ def roots(read_roots=(), extra_readable=()) -> list[tuple[str, str, str]]:
     # Import paths outside the installation (the script's folder, the working directory of
     # `python -c`, PYTHONPATH) may hold datasets: only their code is readable.
     inside = [os.path.realpath(path) for path in (*installation, *SYSTEM_DIRS) if path]
-    for path, why in [(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "this package"),
+    package = sys.modules["swift_safe_media"].__file__  # the folder that holds the package
+    for path, why in [(os.path.dirname(os.path.dirname(os.path.abspath(package))), "this package"),
                       *[(path, "an import path") for path in sys.path],
                       *[(path, "the caller's script") for path in extra_readable]]:
         if path and os.path.isdir(path) and not beneath(os.path.realpath(path), inside):

@@ -58,7 +58,7 @@ def zygote_environment() -> dict:
     # thread, since a pool started at import would leave it unsafe to fork.
     env.update({name: "1" for name in config.THREAD_ENV_VARS})
     env[config.THREADS] = str(config.decoder_threads())
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["swift_safe_media"].__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_parent, env.get("PYTHONPATH")]))
     return env
 
