@@ -47,7 +47,7 @@ def answer_stack_dumps() -> None:
     import faulthandler
     import signal
 
-    # The same signal as swift_safe_media.watchdog.DUMP_SIGNAL (this module imports no package code).
+    # The same signal as swift_safe_media.records.watchdog.DUMP_SIGNAL (this module imports no package code).
     faulthandler.register(signal.SIGRTMIN + 7, file=sys.stderr, all_threads=True, chain=False)
 
 

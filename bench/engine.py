@@ -23,8 +23,8 @@ from pathlib import Path
 
 import swift_safe_media
 from swift_safe_media import MediaDecodeTimeout, call, config
-from swift_safe_media import pool
-from swift_safe_media.engine import get_engine
+from swift_safe_media.engine import pool
+from swift_safe_media.engine.calls import get_engine
 
 FRAMES = 32
 

@@ -47,7 +47,7 @@ def cases(corpus):
 
 
 def median_pair(stock, ours, repeats):
-    from swift_safe_media.integrations import media
+    from swift_safe_media.patching import media_libraries as media
 
     def timed(fn, patched):
         (media.PATCHES.patch if patched else media.PATCHES.unpatch)()
@@ -79,7 +79,8 @@ def start_up():
     import transformers.video_utils  # noqa: F401
     from swift.template.templates.qwen import Qwen2_5VLTemplate
 
-    from swift_safe_media.integrations import media, swift_coverage
+    from swift_safe_media.patching import media_libraries as media
+    from swift_safe_media.hosts.swift import coverage as swift_coverage
 
     media.PATCHES.unpatch()
     patch = _timed(media.PATCHES.patch)

@@ -96,13 +96,13 @@ def child(side: str, root: str, samples: int, seed: int, seconds: int) -> dict:
         import dataclasses
 
         import swift_safe_media
-        from swift_safe_media.integrations import lerobot_decode, lerobot_layouts
+        from swift_safe_media.hosts.lerobot import decode as lerobot_decode, layouts as lerobot_layouts
 
         # enable() then disable(): the settings (and the statistics every call records)
         # stay, LeRobot's own functions are back, and ours are called by name.
         swift_safe_media.enable(hosts=["lerobot"])
         swift_safe_media.disable()
-        from swift_safe_media import engine
+        from swift_safe_media.engine import calls as engine
 
         engine.set_up_sandboxes(lerobot_decode.import_lerobot_in_sandbox)  # the sandbox's setup, as patch() makes it
         if side == "ours-in-turn":  # one round trip, the cameras one after the other
@@ -134,7 +134,7 @@ def child(side: str, root: str, samples: int, seed: int, seconds: int) -> dict:
 
     result["lerobot"] = importlib.metadata.version("lerobot")
     if side.startswith("ours"):
-        from swift_safe_media.engine import get_engine
+        from swift_safe_media.engine.calls import get_engine
 
         result.update(calls=get_engine().stats["calls"], sandboxes=get_engine().stats["sandboxes_started"])
     return result

@@ -62,7 +62,7 @@ def main() -> None:
             env = {"SWIFT_SAFE_MEDIA_TIMEOUT": f"{timeout:.3f}", "SWIFT_SAFE_MEDIA_TIMEOUT_CEILING": ceiling,
                    "SWIFT_SAFE_MEDIA_QUARANTINE": registry}
             results = [result(process) for process in [loop(clips, args.rounds, env) for _ in range(args.processes)]]
-            from swift_safe_media import quarantine
+            from swift_safe_media.records import quarantine
 
             refused = sum(len(found["failures"]) for found in results)
             decodes = sum(len(found["seconds"]) for found in results)

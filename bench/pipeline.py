@@ -372,7 +372,7 @@ def _instrument_worker(worker_id: int) -> None:
     _record(folder, who, "our_modules_loaded", len(modules))
     from swift.dataset.utils import LazyLLMDataset
 
-    from swift_safe_media import pool, zygote
+    from swift_safe_media.engine import pool, zygote
 
     def timed(owner, name, event, first_only=False):
         original = getattr(owner, name)
@@ -390,7 +390,7 @@ def _instrument_worker(worker_id: int) -> None:
 
     timed(zygote.Zygote, "__init__", "zygote_start")
     timed(zygote.Zygote, "spawn", "sandbox_fork")
-    timed(pool.Engine, "_exchange", "exchange", first_only=False)
+    timed(pool.SandboxPool, "_exchange", "exchange", first_only=False)
     timed(LazyLLMDataset, "__getitem__", "first_getitem", first_only=True)
 
 

@@ -3,7 +3,7 @@
 Each sample is a fresh interpreter that has imported torch already (as ms-swift's and
 LeRobot's processes have when they parse their flags), then times one of:
 
-- check: ``swift_safe_media.preflight.require()`` (torchcodec's libraries loaded with
+- check: ``swift_safe_media.checks.preflight.require()`` (torchcodec's libraries loaded with
   ctypes, FFmpeg's with them, soundfile and soxr imported), as ``enable()`` runs it;
 - import: ``import torchcodec, soundfile, soxr`` (torchcodec's import also imports
   ``torch._dynamo``), the obvious alternative;
@@ -25,11 +25,11 @@ import sys
 
 SETUP = "import time, torch, swift_safe_media\n"
 PROGRAMS = {
-    "check": "t = time.perf_counter(); swift_safe_media.preflight.require()",
+    "check": "t = time.perf_counter(); swift_safe_media.checks.preflight.require()",
     "import": "t = time.perf_counter(); import torchcodec, soundfile, soxr",
     "probe": ("import subprocess, sys; t = time.perf_counter(); subprocess.run([sys.executable, '-c', "
               "'import torch, torchcodec, soundfile, soxr'], check=True)"),
-    "child": "t = time.perf_counter(); swift_safe_media.preflight.require()",
+    "child": "t = time.perf_counter(); swift_safe_media.checks.preflight.require()",
 }
 
 
@@ -37,13 +37,13 @@ def sample(kind: str, passed_marker: str) -> float:
     env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
     if kind == "child":
         env["SWIFT_SAFE_MEDIA_PREFLIGHT_PASSED"] = passed_marker
-    program = SETUP + "import swift_safe_media.preflight\n" + PROGRAMS[kind] + "\nprint((time.perf_counter() - t) * 1e3)"
+    program = SETUP + "import swift_safe_media.checks.preflight\n" + PROGRAMS[kind] + "\nprint((time.perf_counter() - t) * 1e3)"
     out = subprocess.run([sys.executable, "-c", program], check=True, capture_output=True, text=True, env=env)
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def passed_marker() -> str:
-    program = ("import os, torch, swift_safe_media.preflight as p; p.require(); "
+    program = ("import os, torch, swift_safe_media.checks.preflight as p; p.require(); "
                "print(os.environ['SWIFT_SAFE_MEDIA_PREFLIGHT_PASSED'])")
     return subprocess.run([sys.executable, "-c", program], check=True, capture_output=True, text=True).stdout.strip()
 

@@ -1,7 +1,7 @@
 """Scan throughput against plain decoding with the same worker count, side by side.
 
 Plain: a process pool whose workers run the very same loaders in-process (no sandbox).
-Scan: ``swift_safe_media.scan`` with as many sandboxes. Both warmed up first, then
+Scan: ``swift_safe_media.checks.scan`` with as many sandboxes. Both warmed up first, then
 measured in alternating rounds.
 
     .venv/bin/python bench/scan.py [--workers 2] [--clips 16]
@@ -15,7 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from swift_safe_media import config, engine, scan, shutdown
+from swift_safe_media import config, shutdown
+from swift_safe_media.engine import calls as engine
+from swift_safe_media.checks import scan
 
 
 def make_corpus(folder: Path, clips: int) -> list:

@@ -1,6 +1,6 @@
 """``scan --ray`` against a local ``scan --workers N`` on the same machine, side by side.
 
-Local: ``swift_safe_media.scan`` with N sandboxes in this process. Ray: the same items
+Local: ``swift_safe_media.checks.scan`` with N sandboxes in this process. Ray: the same items
 as Ray tasks on a local cluster of N CPUs (one sandbox per Ray worker). Both warmed up
 first, then measured in alternating rounds; the ratio is Ray's items/s over local's.
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import ray
 
-from swift_safe_media import scan, scan_ray, shutdown
+from swift_safe_media.checks import scan, scan_ray
+from swift_safe_media import shutdown
 
 SMALL = {"object_store_memory": 80 << 20, "include_dashboard": False}
 

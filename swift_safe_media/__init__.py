@@ -1,11 +1,13 @@
 """swift-safe-media: bounded, isolated and recoverable media decoding for training pipelines."""
 
+from . import _moved
 from .logs import package_logger
 
+_moved.install()  # old module paths (swift_safe_media.pool, ...) keep working
 package_logger()
 
 from .activation import disable, enable, is_enabled  # noqa: E402
-from .engine import call, isolated, shutdown  # noqa: E402
+from .engine.calls import call, isolated, shutdown  # noqa: E402
 from .errors import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,  # noqa: E402
                      MediaQuarantined, ProtectionUnavailable)
 

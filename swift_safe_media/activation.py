@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 
-from . import config, integrations, run_folders, sandbox
-from .integrations import _imports
+from . import config
+from .patching import host_adapters as integrations
+from .engine import run_folders, sandbox
+from .patching import import_hooks as _imports
 
 
 def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
@@ -23,7 +25,9 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     ``hosts`` cannot load here (checked once per run: see ``preflight``); what it had
     started by then is stopped, and the environment children inherit is as it was.
     Calling it again (with a registry known only later, say) updates the settings."""
-    from . import preflight, warm_start, watchdog, worker_start
+    from .checks import preflight
+    from .workers import forkserver as warm_start, start as worker_start
+    from .records import watchdog
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
@@ -80,13 +84,16 @@ def _choose_stats_dir() -> None:
 
 
 def disable() -> None:
-    """Undo what ``enable`` did here (the hosts' own loaders, DataLoader iteration without
-    the watchdog), and keep children from turning protection on."""
-    from . import warm_start, watchdog
+    """Undo what ``enable`` did here (the hosts' own loaders, torch's own DataLoader: how
+    its workers start, its iteration without the watchdog), and keep children from turning
+    protection on."""
+    from .workers import forkserver as warm_start, start as worker_start
+    from .records import watchdog
 
     config.put(config.ENABLED, False)
     integrations.disable_hosts()
     watchdog.uninstall()
+    worker_start.uninstall()  # torch's DataLoader is torch's own again
     warm_start.stop()
 
 
@@ -99,19 +106,16 @@ def on_host_imported(host: str) -> None:
     begins importing: its flags parse from now on, and ``SWIFT_SAFE_MEDIA=1`` turns
     protection on for it."""
     adapter = integrations.adapter_for(host)
-    register_flags = getattr(adapter, "register_flags", None)
-    if register_flags is not None:
-        for module_name in getattr(adapter, "FLAG_MODULES", ()):
-            _imports.when_imported(module_name, lambda _module: register_flags())
+    for module_name in adapter.FLAG_MODULES:
+        _imports.when_imported(module_name, lambda _module: adapter.register_flags())
     state = config.enabled_by_environment()
     if state:
         if _starts_runs():
             enable(hosts=[host])  # the run's stats folder, the watchdog
         else:
             integrations.enable_hosts([host])
-    elif (state is None and getattr(adapter, "command_line_asks_for_protection", lambda: False)()
-          and _starts_runs()):
-        from . import preflight
+    elif state is None and adapter.command_line_asks_for_protection() and _starts_runs():
+        from .checks import preflight
 
         preflight.require([host])  # now, not after the host's imports: protection that cannot work stops at once
 
@@ -120,7 +124,7 @@ def _starts_runs() -> bool:
     """False in a DataLoader worker, a sandbox or the warm forkserver: they join their parent's run."""
     import multiprocessing
 
-    from . import warm_start
+    from .workers import forkserver as warm_start
 
     return (multiprocessing.parent_process() is None and not _being_started_by_multiprocessing()
             and not sandbox.in_sandbox() and not warm_start.in_forkserver())

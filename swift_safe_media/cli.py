@@ -30,7 +30,7 @@ def main(argv=None) -> int:
                            "'swift-safe-media[ray]')")
     add_quarantine_commands(commands)
     commands.add_parser("confinement", help="show what confines the decode sandboxes here (JSON)")
-    from .integrations.swift import FLAGS  # the flags ms-swift and LeRobot take, parsed the same way
+    from .hosts.swift.adapter import FLAGS  # the flags ms-swift and LeRobot take, parsed the same way
     commands.add_parser("doctor", parents=[FLAGS], help="show what is installed and in force; "
                         "exit 1 when protection cannot work here (takes the hosts' --safe_media_* flags)")
     args = parser.parse_args(argv)
@@ -64,7 +64,7 @@ def add_quarantine_commands(commands) -> None:
 
 def run_quarantine(args) -> int:
     """``quarantine list | recheck | forget``: what a user does with files refused."""
-    from . import quarantine
+    from .records import quarantine
 
     path = args.registry or config.get(config.QUARANTINE)
     if not path:
@@ -90,7 +90,8 @@ def run_quarantine(args) -> int:
 def recheck_quarantine(registry, entries, args) -> int:
     """Decode each refused, unchanged file again (the pre-flight scan's checks), with a
     longer timeout; forget those that decode. Exit 1 while any still fails."""
-    from . import scan, shutdown
+    from .checks import scan
+    from . import shutdown
 
     config.write(timeout=args.timeout or 4 * config.timeout())
     config.put(config.QUARANTINE, None)  # the files are tried whether refused or not
@@ -111,7 +112,8 @@ def recheck_quarantine(registry, entries, args) -> int:
 
 def show_confinement() -> int:
     """The settings and kernel support, and what a real sandbox reads back from its kernel."""
-    from . import call, confine, shutdown
+    from . import call, shutdown
+    from .confinement import policy as confine
 
     found = confine.status()
     try:
@@ -123,7 +125,7 @@ def show_confinement() -> int:
 
 
 def run_doctor(args) -> int:
-    from . import doctor
+    from .checks import doctor
 
     try:
         config.write(source="flag", timeout=args.safe_media_timeout, max_memory_mb=args.safe_media_max_memory_mb,
@@ -136,7 +138,9 @@ def run_doctor(args) -> int:
 
 
 def run_scan(args) -> int:
-    from . import preflight, quarantine, scan, shutdown
+    from .checks import preflight, scan
+    from .records import quarantine
+    from . import shutdown
     from .errors import ProtectionUnavailable
 
     if args.timeout is not None:
@@ -154,7 +158,7 @@ def run_scan(args) -> int:
         return 2
     where = None
     if args.ray is not None:
-        from . import scan_ray
+        from .checks import scan_ray
 
         try:
             ray = scan_ray.connect(args.ray or None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-FILE, MACHINE = "file", "machine"  # whose fault a failure is (see swift_safe_media.faults)
+FILE, MACHINE = "file", "machine"  # whose fault a failure is (see swift_safe_media.engine.faults)
 
 
 class MediaDecodeError(RuntimeError):

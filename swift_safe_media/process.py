@@ -7,10 +7,10 @@ touching the parent's processes). Nothing here is inherited on purpose: settings
 in the environment (:mod:`.config`), patches live in the hosts' modules.
 
 What a forked child rightly keeps stays with the module that registers it: the
-adapters' patches and enabled hosts (:mod:`.integrations`), post-import hooks, sandbox
-setups (:mod:`.pool`), at-exit reports (:mod:`.summary`), the quarantine registries'
-read caches (:mod:`.quarantine`), the watchdog (:mod:`.watchdog`, the training
-process's own) and the in-sandbox flag (:mod:`.sandbox`, true in a sandbox's children too).
+adapters' patches and enabled hosts (:mod:`.patching.host_adapters`), post-import hooks, sandbox
+setups (:mod:`.engine.pool`), at-exit reports (:mod:`.records.summary`), the quarantine registries'
+read caches (:mod:`.records.quarantine`), the watchdog (:mod:`.records.watchdog`, the training
+process's own) and the in-sandbox flag (:mod:`.engine.sandbox`, true in a sandbox's children too).
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def item_digests(root, backend="", return_uint8="0", kind="map"):
             assert frames.shape[0] == 2, (key, frames.shape)
             digests.append(f"{key} {tuple(frames.shape)} {frames.dtype} "
                            f"{hashlib.sha256(frames.contiguous().numpy().tobytes()).hexdigest()}")
-    from swift_safe_media.integrations import lerobot as adapter
+    from swift_safe_media.hosts.lerobot import adapter
 
     return {"digests": digests, "patched": adapter.is_patched(), "keys": list(probe.meta.video_keys),
             "items": len(items)}
@@ -219,8 +219,8 @@ def remote_frames(root):
     import threading
 
     import swift_safe_media
-    from swift_safe_media.engine import get_engine
-    from swift_safe_media.integrations import lerobot_decode
+    from swift_safe_media.engine.calls import get_engine
+    from swift_safe_media.hosts.lerobot import decode as lerobot_decode
 
     swift_safe_media.enable(hosts=["lerobot"])
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
@@ -272,8 +272,9 @@ def patch_state():
     import lerobot.datasets.utils as dataset_utils
     import lerobot.datasets.video_utils as video_utils
 
-    from swift_safe_media import pool
-    from swift_safe_media.integrations import _patching, lerobot as adapter
+    from swift_safe_media.engine import pool
+    from swift_safe_media.patching import targets as _patching
+    from swift_safe_media.hosts.lerobot import adapter
 
     def ours(function):
         return _patching.original_of(function) is not None
@@ -345,7 +346,7 @@ def start_method():
     import torch.utils.data
     from lerobot.datasets.utils import cycle
 
-    from swift_safe_media.integrations import lerobot as adapter
+    from swift_safe_media.hosts.lerobot import adapter
 
     data = torch.utils.data.TensorDataset(torch.arange(8))
 

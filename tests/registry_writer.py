@@ -68,7 +68,7 @@ def main(registry_path, hostname, file_list, go_file, rounds) -> None:
     refuse_flock()
     if not flock_refused(os.path.dirname(go_file)):
         sys.exit("flock still works here")
-    from swift_safe_media.quarantine import Registry
+    from swift_safe_media.records.quarantine import Registry
 
     print(f"ready {socket.gethostname()} pid {os.getpid()}", flush=True)
     while not os.path.exists(go_file):

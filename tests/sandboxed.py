@@ -152,7 +152,7 @@ def raise_decode_error(path):
 
 
 def arena_counts():
-    from swift_safe_media import sandbox
+    from swift_safe_media.engine import sandbox
 
     return sandbox.arena.counts()
 

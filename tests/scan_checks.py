@@ -3,7 +3,7 @@ items planted to fail natively (module level, so Ray and the sandbox import it b
 
 import ctypes
 
-from swift_safe_media import scan
+from swift_safe_media.checks import scan
 
 SPIN = b"plant:spin:"  # followed by the path of a library whose spin_forever() never returns
 SEGV = b"plant:segv"

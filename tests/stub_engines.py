@@ -57,7 +57,7 @@ def main(model_dir: str, dataset: str) -> dict:
     import types
 
     import swift_safe_media
-    from swift_safe_media.integrations import swift_inference
+    from swift_safe_media.hosts.swift import inference as swift_inference
 
     swift_safe_media.enable(hosts=["swift"], timeout=5)
     swift_inference.MODE.name = "infer"  # what parse_args chooses for InferArguments

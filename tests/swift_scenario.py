@@ -198,7 +198,7 @@ def run_folder(output_dir: str) -> Path:
 
 
 def registry_entries(path) -> list[dict]:
-    from swift_safe_media import quarantine
+    from swift_safe_media.records import quarantine
 
     return quarantine.entries(path)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_safe_media import integrations
+from swift_safe_media.patching import host_adapters as integrations
 
 from . import megatron_shim
 from .fresh import clean_environment, run_python
@@ -30,7 +30,7 @@ def installed(host: str) -> bool:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("order", ["enable_first", "import_first"])
-@pytest.mark.parametrize("host", sorted(integrations.ADAPTERS))
+@pytest.mark.parametrize("host", integrations.known_hosts())
 def test_patch_and_restore_in_every_order(host, order, tmp_path):
     if not installed(host):
         pytest.skip(f"{host} is not installed")
@@ -49,9 +49,27 @@ def test_patch_and_restore_in_every_order(host, order, tmp_path):
     assert again == {**enabled, "step": "enabled again"}
 
 
-def test_every_adapter_follows_the_protocol():
-    for host in integrations.ADAPTERS:
-        integrations.check_adapter(integrations.adapter_for(host))  # raises naming what is missing
+def test_every_host_folder_registers_an_adapter_that_follows_the_protocol():
+    assert integrations.known_hosts() == ["lerobot", "llamafactory", "swift"]
+    for host in integrations.known_hosts():
+        adapter = integrations.adapter_for(host)  # registered as its module is imported
+        assert isinstance(adapter, integrations.HostAdapter) and adapter.HOST == host
+        assert adapter.__name__ == f"swift_safe_media.hosts.{host}.adapter"
+        integrations.check_adapter(importlib.import_module(adapter.__name__))
+
+
+def test_an_adapter_gets_a_no_op_default_for_each_optional_hook():
+    import types
+
+    minimal = types.ModuleType("minimal_adapter")
+    minimal.HOST, minimal.DISTRIBUTION, minimal.SUPPORTED = "minimal", "minimal", ((1, 0), (2, 0))
+    minimal.TRIGGER_MODULES = ("minimal",)
+    minimal.get_version = minimal.patch = minimal.unpatch = minimal.is_patched = lambda: None
+    adapter = integrations.ModuleAdapter(minimal)
+    assert adapter.FLAG_MODULES == adapter.WORKER_PRELOAD == ()
+    assert adapter.register_flags() is None and adapter.worker_start_method(object()) is None
+    assert adapter.command_line_asks_for_protection() is False and adapter.unsupported() is None
+    assert set(integrations.OPTIONAL) <= set(dir(integrations.HostAdapter))
 
 
 def test_an_adapter_that_breaks_the_protocol_is_refused():
@@ -61,8 +79,17 @@ def test_an_adapter_that_breaks_the_protocol_is_refused():
     broken.HOST, broken.DISTRIBUTION, broken.SUPPORTED = "broken", "broken", ((2, 0), (1, 0))
     broken.patch = "not callable"
     with pytest.raises(TypeError) as refused:
-        integrations.check_adapter(broken)
+        integrations.register(integrations.ModuleAdapter(broken))
     message = str(refused.value)
     for part in ("broken_adapter", "TRIGGER_MODULES", "get_version", "unpatch", "is_patched", "patch",
                  "SUPPORTED as (lowest, first_unsupported)"):
         assert part in message, message
+
+
+def test_the_start_up_hook_watches_every_host_folder():
+    import ast
+
+    hook = Path(__file__).resolve().parent.parent / "_swift_safe_media_startup.py"
+    assignment = next(node for node in ast.parse(hook.read_text()).body
+                      if isinstance(node, ast.Assign) and node.targets[0].id == "_HOSTS")
+    assert sorted(ast.literal_eval(assignment.value)) == integrations.known_hosts()

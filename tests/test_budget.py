@@ -1,6 +1,6 @@
 import pytest
 
-from swift_safe_media.budget import ErrorBudget, ErrorBudgetExceeded
+from swift_safe_media.records.budget import ErrorBudget, ErrorBudgetExceeded
 
 
 def test_consecutive_failures_stop_at_the_limit_and_successes_reset_the_count():

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import swift_safe_media
-from swift_safe_media import MediaDecodeError, call, confine, isolated
+from swift_safe_media import MediaDecodeError, call, isolated
+from swift_safe_media.confinement import policy as confine
 
 try:
     from tests import media_corpus
@@ -357,6 +358,6 @@ def test_qwen_frame_list_of_urls_works_confined(tmp_path):
 
 
 def test_status_describes_what_is_in_force():
-    found = swift_safe_media.confine.status()
+    found = swift_safe_media.confinement.policy.status()
     assert found["enabled"] and found["seccomp"] and found["landlock_abi"] == confine.landlock_abi()
     assert "connect" in found["refused"]["syscalls"] and "write_file" in found["refused"]["landlock_fs"]

@@ -16,7 +16,8 @@ import pytest
 
 import swift_safe_media
 import swift_safe_media.decoders as safe
-from swift_safe_media import MediaDecodeError, call, confine, handed
+from swift_safe_media import MediaDecodeError, call
+from swift_safe_media.confinement import policy as confine, handed
 
 from . import media_corpus, secrets_attacks
 from .fresh import ROOT, clean_environment, run_python
@@ -198,7 +199,7 @@ def test_cli_and_doctor_show_the_read_and_environment_policy(trainer):
     assert "handed" in shown["reads"]["media"] and any("Python" in why for why in shown["reads"]["roots"].values())
     assert "HF_TOKEN" in shown["environment"]["withheld_here"]
     assert shown["sandbox"]["reads_limited"] and "HF_TOKEN" not in shown["sandbox"]["environment"]
-    from swift_safe_media import doctor
+    from swift_safe_media.checks import doctor
 
     line = doctor.confinement()
     assert "reads only the media handed to each decode" in line and "HF_TOKEN" in line

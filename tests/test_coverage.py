@@ -31,8 +31,8 @@ pytest.importorskip("swift.template", reason="ms-swift is in requirements-test.t
 
 from swift.template.base import Template  # noqa: E402
 import swift.template.templates  # noqa: E402,F401  every family's module: all of ms-swift's template classes
-from swift_safe_media.integrations import swift_coverage  # noqa: E402
-from swift_safe_media.integrations.swift_coverage import BOUNDED, OPENER, UNREAD  # noqa: E402
+from swift_safe_media.hosts.swift import coverage as swift_coverage  # noqa: E402
+from swift_safe_media.hosts.swift.coverage import BOUNDED, OPENER, UNREAD  # noqa: E402
 
 
 def subclasses(cls):

@@ -18,7 +18,8 @@ import pytest
 from tests import damaged_media, media_corpus, sandboxed
 
 import swift_safe_media.decoders as safe
-from swift_safe_media import MediaDecodeError, call, engine
+from swift_safe_media import MediaDecodeError, call
+from swift_safe_media.engine import calls as engine
 from .fresh import ROOT
 from .loaders import VIDEO_LOADERS
 

@@ -115,3 +115,14 @@ def test_the_layout_names_every_module():
     modules = sorted(str(path.relative_to(package)) for path in package.rglob("*.py"))
     missing = [module for module in modules if f"`{module}`" not in layout]
     assert not missing, f"docs/how-it-works.md#layout does not name: {missing}"
+
+
+def test_the_readme_map_and_the_layout_name_every_subpackage():
+    package = ROOT / "swift_safe_media"
+    subpackages = sorted(init.parent.name for init in package.glob("*/__init__.py"))
+    readme_map = README.read_text().split("\n## Map\n", 1)[1].split("\n## ", 1)[0]
+    layout = (DOCS / "how-it-works.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip() for line in layout.splitlines() if line.startswith("| `")]
+    assert subpackages and "engine" in subpackages
+    assert [name for name in subpackages if f"`swift_safe_media/{name}/`" not in readme_map] == []
+    assert sorted(row.strip("`/") for row in rows) == subpackages, rows

@@ -15,7 +15,7 @@ import swift_safe_media
 from swift_safe_media import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout,
                               MediaQuarantined, call, isolated)
 from swift_safe_media import config
-from swift_safe_media.engine import RemoteTraceback, get_engine
+from swift_safe_media.engine.calls import RemoteTraceback, get_engine
 
 from . import sandboxed
 from .fresh import ROOT, run_python

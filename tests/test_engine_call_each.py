@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from swift_safe_media import MediaDecodeTimeout, MediaQuarantined, summary
-from swift_safe_media.engine import FAILED_PATH, call, call_each
+from swift_safe_media import MediaDecodeTimeout, MediaQuarantined
+from swift_safe_media.records import summary
+from swift_safe_media.engine.calls import FAILED_PATH, call, call_each
 
 from . import sandboxed
 
@@ -68,7 +69,7 @@ def test_quarantine_and_statistics_count_each_call(tmp_path, monkeypatch, fifo):
 
 
 def test_sandbox_setup_runs_once_per_sandbox_outside_the_calls_timeout(fresh_engine, tmp_path, monkeypatch):
-    from swift_safe_media import engine
+    from swift_safe_media.engine import calls as engine
 
     monkeypatch.setenv(summary.STATS_DIR, str(tmp_path / "stats"))
     engine.set_up_sandboxes(sandboxed.slow_setup)

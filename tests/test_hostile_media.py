@@ -406,8 +406,8 @@ def test_enabling_protection_leaves_nothing_in_the_temp_dir(corpus, tmp_path):
 
 def test_lerobot_decode_checks_the_demuxer_before_its_own_decoders_open(corpus, trap):
     """LeRobot's frame decode (run in the sandbox by our adapter) with both its backends."""
-    from swift_safe_media import engine
-    from swift_safe_media.integrations import lerobot_decode
+    from swift_safe_media.engine import calls as engine
+    from swift_safe_media.hosts.lerobot import decode as lerobot_decode
 
     good = str(corpus["good"] / "clip.mp4")
     frames = engine.call(lerobot_decode.frames_in_sandbox, good, [0.0, 0.5], 0.05, "torchcodec", False, False,

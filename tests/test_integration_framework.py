@@ -17,7 +17,8 @@ HOST_FILES = {
     "fakehost/user.py": "from .media import load\nfrom .media import load as renamed_load\n",
     "fake_adapter.py": textwrap.dedent("""
         import sys
-        from swift_safe_media.integrations._patching import Patcher
+        from swift_safe_media.patching.host_adapters import ModuleAdapter, register
+        from swift_safe_media.patching.targets import Patcher
 
         HOST = DISTRIBUTION = "fakehost"
         SUPPORTED = ((1, 0), (2, 0))
@@ -42,6 +43,8 @@ HOST_FILES = {
 
         def is_patched():
             return bool(_patcher)
+
+        ADAPTER = register(ModuleAdapter(sys.modules[__name__]))
     """),
 }
 
@@ -121,7 +124,7 @@ def test_a_hook_added_while_its_module_still_executes_runs_again_once_it_is_done
     (package / "__init__.py").write_text("")
     (package / "script.py").write_text("import latehost.parser\n\ndef defined_late():\n    return 'stock'\n")
     (package / "parser.py").write_text(textwrap.dedent("""
-        from swift_safe_media.integrations import _imports
+        from swift_safe_media.patching.host_adapters import _imports
         seen = []
         _imports.when_imported("latehost.script", lambda module: seen.append(hasattr(module, "defined_late")))
     """))

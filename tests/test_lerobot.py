@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_safe_media import quarantine
+from swift_safe_media.records import quarantine
 
 from .fresh import ROOT, clean_environment
 
@@ -309,7 +309,7 @@ def test_lerobot_train_dataloaders_get_the_configured_start_method():
 
 
 def test_take_flags_accepts_draccus_spellings():
-    from swift_safe_media.integrations.lerobot import take_flags
+    from swift_safe_media.hosts.lerobot.adapter import take_flags
 
     assert take_flags(["--safe_media=true", "--steps=5"]) == ({"enabled": True}, ["--steps=5"])
     assert take_flags(["--safe_media", "--steps", "5"]) == ({"enabled": True}, ["--steps", "5"])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_safe_media import quarantine
+from swift_safe_media.records import quarantine
 
 REPO = Path(__file__).resolve().parent.parent
 LEROBOT_VENV = REPO / ".venv-lerobot"
@@ -181,7 +181,7 @@ def test_protected_lerobot_train_trains_every_step_names_every_bad_file_in_spawn
     # its own; every sandbox came from the one zygote forked from the warm forkserver
     # (a zygote started by exec has its module on its command line).
     assert "could not start the warm forkserver" not in output, output[-4000:]
-    assert not [row[2] for row in run["seen"].values() if "swift_safe_media.zygote" in row[2]]
+    assert not [row[2] for row in run["seen"].values() if "swift_safe_media.engine.zygote" in row[2]]
     assert not left_behind(run["seen"])
 
     registry = output_dir / "safe_media" / "quarantine.jsonl"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_safe_media import quarantine
+from swift_safe_media.records import quarantine
 
 from .test_lerobot_train import OFFLINE, left_behind, run_train
 
@@ -114,7 +114,7 @@ def test_protected_lerobot_train_06_trains_and_evaluates_every_step_naming_every
     started = workers(run)
     assert len(started["forkserver"]) >= 4 and not started["spawned"] and not started["forked"], started
     assert "could not start the warm forkserver" not in output, output[-4000:]
-    assert not [row[2] for row in run["seen"].values() if "swift_safe_media.zygote" in row[2]]
+    assert not [row[2] for row in run["seen"].values() if "swift_safe_media.engine.zygote" in row[2]]
     assert not left_behind(run["seen"])
 
     registry = output_dir / "safe_media" / "quarantine.jsonl"

@@ -116,7 +116,8 @@ UNKNOWN = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING)
 import lerobot.datasets.lerobot_dataset, lerobot.datasets.dataset_reader as reader, lerobot.datasets.video_utils as video
-from swift_safe_media.integrations import _patching, lerobot as adapter
+from swift_safe_media.patching import targets as _patching
+from swift_safe_media.hosts.lerobot import adapter
 print(json.dumps({"is_patched": adapter.is_patched(), "decode": _patching.original_of(video.decode_video_frames) is not None,
                   "getitem": _patching.original_of(lerobot.datasets.lerobot_dataset.LeRobotDataset.__getitem__) is not None}))
 """

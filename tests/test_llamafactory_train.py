@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from swift_safe_media import quarantine
+from swift_safe_media.records import quarantine
 
 from . import llamafactory_scenario as scenario
 from .test_lerobot_train import left_behind, run_train

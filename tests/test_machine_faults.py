@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from swift_safe_media import (MediaDecodeCrash, MediaDecodeTimeout, MediaMachineFault, call, faults, quarantine,
-                              summary)
-from swift_safe_media.engine import call_each, get_engine
+from swift_safe_media import MediaDecodeCrash, MediaDecodeTimeout, MediaMachineFault, call
+from swift_safe_media.engine import faults
+from swift_safe_media.records import quarantine, summary
+from swift_safe_media.engine.calls import call_each, get_engine
 from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
 
 from . import fault_killer, sandboxed

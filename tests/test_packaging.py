@@ -53,6 +53,10 @@ def test_the_wheel_carries_the_startup_hook_and_the_licence(dist):
         metadata = next(archive.read(name).decode() for name in names if name.endswith(".dist-info/METADATA"))
         hook = archive.read("swift_safe_media.pth").decode()
     assert {"swift_safe_media.pth", "_swift_safe_media_startup.py", "swift_safe_media/__init__.py"} <= names
+    # Every module of every subpackage (engine/, hosts/swift/, ...), not only the top level.
+    modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "swift_safe_media").rglob("*.py")}
+    assert modules - names == set(), sorted(modules - names)
+    assert "swift_safe_media/hosts/swift/adapter.py" in names and "swift_safe_media/engine/pool.py" in names
     assert hook.strip() == "import _swift_safe_media_startup"
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), sorted(names)
     assert "License-Expression: Apache-2.0" in metadata.splitlines()

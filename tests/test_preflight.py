@@ -201,7 +201,7 @@ def test_a_cuda_build_mismatch_of_a_stable_abi_torch_points_at_the_build_for_its
                                                                                       build, index):
     """From torch 2.11 on any torchcodec >= 0.12 fits, but PyPI's links PyPI's torch's CUDA:
     the fix is the build for this torch's CUDA, from PyTorch's index."""
-    from swift_safe_media import preflight
+    from swift_safe_media.checks import preflight
 
     found = preflight._cuda_mismatch(preflight.Finding("torchcodec", "0.17.0"), preflight.Finding("torch", torch_version),
                                      cuda, preflight.torchcodec_requirement(torch_version), [(7, error)])

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from swift_safe_media import MediaDecodeTimeout, MediaQuarantined, call
-from swift_safe_media import quarantine
-from swift_safe_media.quarantine import Registry
+from swift_safe_media.records import quarantine
+from swift_safe_media.records.quarantine import Registry
 
 from . import sandboxed
 from .fresh import ROOT, run_python

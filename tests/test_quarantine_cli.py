@@ -3,7 +3,7 @@ quarantine list | recheck | forget` on a real registry, with real decodes."""
 
 import pytest
 
-from swift_safe_media.quarantine import Registry
+from swift_safe_media.records.quarantine import Registry
 
 from .fresh import ROOT, clean_environment, run_python
 from .swift_scenario import _av_source, _ffmpeg

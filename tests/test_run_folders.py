@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from swift_safe_media import run_folders, watchdog
+from swift_safe_media.engine import run_folders
+from swift_safe_media.records import watchdog
 
 from .fresh import ROOT, clean_environment
 

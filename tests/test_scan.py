@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from swift_safe_media import quarantine
+from swift_safe_media.records import quarantine
 
 from .fresh import ROOT
 

@@ -12,7 +12,8 @@ import shutil
 import pytest
 
 import swift_safe_media
-from swift_safe_media import quarantine, scan, scan_ray
+from swift_safe_media.records import quarantine
+from swift_safe_media.checks import scan, scan_ray
 
 from . import scan_checks
 from .fresh import ROOT, run_python

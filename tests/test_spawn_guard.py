@@ -169,7 +169,7 @@ DOES_MORE = {
 
 @pytest.mark.parametrize("name", sorted(ONLY_DEFINES))
 def test_a_script_that_only_imports_and_defines_is_recognised(tmp_path, name):
-    from swift_safe_media import spawn_guard
+    from swift_safe_media.workers import spawn_guard
 
     script = tmp_path / f"{name.replace(' ', '_')}.py"
     script.write_text(textwrap.dedent(ONLY_DEFINES[name]))
@@ -178,7 +178,7 @@ def test_a_script_that_only_imports_and_defines_is_recognised(tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(DOES_MORE))
 def test_a_script_that_does_more_than_define_is_not(tmp_path, name):
-    from swift_safe_media import spawn_guard
+    from swift_safe_media.workers import spawn_guard
 
     script = tmp_path / f"{name.replace(' ', '_')}.py"
     script.write_text(DOES_MORE[name])

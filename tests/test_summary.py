@@ -9,7 +9,8 @@ import time
 import pytest
 import torch.utils.data
 
-from swift_safe_media import call, summary
+from swift_safe_media import call
+from swift_safe_media.records import summary
 
 from . import sandboxed
 from .loader_datasets import SandboxedDataset

@@ -133,7 +133,7 @@ def test_the_error_budget_stops_a_run_of_substitutes_from_a_worker(built, tmp_pa
     # torch re-raises the worker's exception in the trainer: "<type>: Caught <type> in DataLoader
     # worker process N." Python writes the type and the message separately, and another
     # process's log line may land between them (seen in CI), so each is matched on its own.
-    assert "swift_safe_media.budget.ErrorBudgetExceeded: " in log, log[-4000:]
+    assert "swift_safe_media.records.budget.ErrorBudgetExceeded: " in log, log[-4000:]
     assert "Caught ErrorBudgetExceeded in DataLoader worker process" in log, log[-4000:]
     assert ("ErrorBudgetExceeded: swift_safe_media: 3 consecutive samples failed to decode "
             "(limit 3, SWIFT_SAFE_MEDIA_MAX_CONSECUTIVE_FAILURES)") in log
@@ -175,7 +175,7 @@ def test_under_torchrun_the_ranks_stay_in_step_around_a_bad_clip(built, tmp_path
     [entry] = scenario.registry_entries(folder / "quarantine.jsonl")
     # With seed 42 rank 1's sampler gets the clip: the rank whose warnings ms-swift mutes.
     assert os.path.basename(entry["path"]) == "fifo.wav" and entry["rank"] == 1
-    from swift_safe_media import summary
+    from swift_safe_media.records import summary
     assert summary.collect(str(folder / "swift_safe_media_stats"))["steps_by_rank"] == {"0": 3, "1": 3}
 
 

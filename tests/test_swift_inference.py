@@ -228,9 +228,10 @@ def test_a_downloaded_url_and_its_decode_share_one_timeout(clip, warm, monkeypat
     from swift.pipelines.infer.deploy import SwiftDeploy
     from swift.utils.url_utils import SafeUrlFetcher
 
-    from swift_safe_media import MediaDecodeTimeout, engine
+    from swift_safe_media import MediaDecodeTimeout
+    from swift_safe_media.engine import calls as engine
     from swift_safe_media.decoders import guards, inputs
-    from swift_safe_media.integrations import swift_inference, swift_serving
+    from swift_safe_media.hosts.swift import inference as swift_inference, serving as swift_serving
 
     from . import sandboxed
     from .test_url_timeout import TIMEOUT_S as timeout
@@ -345,7 +346,7 @@ def test_a_failed_rollout_row_gets_the_same_replacement_on_every_rank():
     import types
 
     from swift_safe_media.errors import MediaDecodeError
-    from swift_safe_media.integrations import swift_rollouts
+    from swift_safe_media.hosts.swift import rollouts as swift_rollouts
 
     def encode(row, *args, **kwargs):
         for media in swift_rollouts.media_of(row):

@@ -3,7 +3,7 @@
 ``Template.__getstate__`` drops the model, so DataLoader workers started by the warm
 forkserver (protection's default) or spawn get ``model=None``; stock ms-swift forks its
 workers on Linux and they find the trainer's model. Which templates those are is read
-from ms-swift's source (``swift_safe_media.integrations.swift_templates``); for them the
+from ms-swift's source (``swift_safe_media.hosts.swift.templates``); for them the
 adapter has the DataLoader fork its workers, one warning says so, and each decode still
 runs in a sandbox of the clean zygote. Here: the full list in ms-swift 4.6.0, and ms-swift's
 real template classes with stand-in models through a real DataLoader with two workers,
@@ -49,7 +49,7 @@ SCAN = """
 import json
 from swift.template.base import Template
 import swift.template.templates  # every family's module: all of ms-swift's template classes
-from swift_safe_media.integrations.swift_templates import model_reads_in_workers
+from swift_safe_media.hosts.swift.templates import model_reads_in_workers
 
 def subclasses(cls):
     for sub in cls.__subclasses__():

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import torch
 
-from swift_safe_media.transport import RecycledBuffers
+from swift_safe_media.engine.transport import RecycledBuffers
 
 
 def _address(view) -> int:

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from swift_safe_media import MediaDecodeTimeout, engine
+from swift_safe_media import MediaDecodeTimeout
+from swift_safe_media.engine import calls as engine
 from swift_safe_media.decoders import guards, inputs
 from swift_safe_media.decoders import swift as safe
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from swift_safe_media import config, shared_zygote, zygote
+from swift_safe_media import config
+from swift_safe_media.engine import shared_zygote, zygote
 
 from .fresh import clean_environment, run_python
 

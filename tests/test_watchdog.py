@@ -33,7 +33,7 @@ def test_stall_dumps_every_process_then_aborts(start):
 
 @pytest.mark.timeout(60)
 def test_watchdog_is_off_unless_configured(monkeypatch):
-    from swift_safe_media import watchdog
+    from swift_safe_media.records import watchdog
 
     monkeypatch.delenv("SWIFT_SAFE_MEDIA_STALL_TIMEOUT", raising=False)
     assert watchdog.install() is None

@@ -5,7 +5,9 @@ containers, soundfile for WAV/FLAC/OGG/MP3, PyAV where stock uses it or torchcod
 decode a file right), behind the guards in ``guards``; never decord or audioread. Which
 stream and rotation each twin takes follows its stock loader (``families``); where and why
 a twin differs from stock: docs/media-parity.md. Importing this package is cheap: torch,
-torchcodec, PyAV and PIL are imported inside the functions that use them.
+torchcodec, PyAV and PIL are imported inside the functions that use them. Part of the
+core: may import the foundations, :mod:`..engine` and :mod:`..confinement`; never
+:mod:`..hosts` (the adapters point their patch targets here).
 """
 
 from .guards import Limits

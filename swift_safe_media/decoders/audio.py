@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import math
 
-from .. import handed
+from ..confinement import handed
 from ..errors import MediaDecodeError, is_out_of_memory, short_reason, typed_entry
 from . import audio_pyav, demuxers, families, guards, inputs
 

@@ -27,7 +27,7 @@ import ctypes
 import io
 import os
 
-from .. import handed
+from ..confinement import handed
 from ..errors import MediaDecodeError
 from . import guards
 

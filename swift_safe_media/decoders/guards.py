@@ -11,7 +11,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from .. import config, handed
+from .. import config
+from ..confinement import handed
 from ..config import MAX_AUDIO_SECONDS, MAX_EXPANSION, MAX_INLINE_BYTES, MAX_PIXELS, MAX_RESULT_MB, MAX_URL_BYTES
 from ..errors import MediaDecodeError
 from . import integrity

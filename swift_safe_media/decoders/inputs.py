@@ -18,8 +18,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from .. import config, handed
-from ..engine import SharedTimeout
+from .. import config
+from ..confinement import handed
+from ..engine.calls import SharedTimeout
 from ..errors import MediaDecodeError
 from . import guards
 
@@ -181,7 +182,7 @@ def _downloaded_before(source: Source) -> Source:
     return Source("path", source.value, url, time.monotonic() + left, timeout)
 
 
-def fetched(source: Source, limits: guards.Limits, timeout: float | None) -> Source:
+def fetched(source: Source, limits: guards.Limits, url_timeout: float | None) -> Source:
     """Caller side: a URL source as the bytes it serves, downloaded in an unconfined
     sandbox (a confined decode cannot reach the network); a file the host downloaded
     itself with the rest of its download's timeout; any other source as is."""
@@ -189,17 +190,17 @@ def fetched(source: Source, limits: guards.Limits, timeout: float | None) -> Sou
         return _downloaded_before(source)
     if source.kind != "url" or not config.confine():
         return source
-    from .. import engine
+    from ..engine import calls as engine
 
-    data, deadline, shared = engine.fetch(download, source.value, limits, timeout, path=source.label)
+    data, deadline, shared = engine.fetch(download, source.value, limits, url_timeout, path=source.label)
     return Source("bytes", data, source.label, deadline, shared)
 
 
-def materialize(source: Source, limits: guards.Limits, timeout: float | None) -> str | bytes:
+def materialize(source: Source, limits: guards.Limits, url_timeout: float | None) -> str | bytes:
     """Sandbox side: a guarded local path, or guarded bytes, ready for a decoder."""
     if source.kind == "path":
         guards.check_file(source.label, source.value)
         return source.value
-    data = download(source.value, limits, timeout) if source.kind == "url" else source.value
+    data = download(source.value, limits, url_timeout) if source.kind == "url" else source.value
     guards.check_bytes(source.label, data)
     return data

@@ -15,7 +15,8 @@ import sys
 
 import numpy as np
 
-from .. import engine, handed
+from ..engine import calls as engine
+from ..confinement import handed
 from ..errors import MediaDecodeError, typed_entry
 from . import audio, families, guards, inputs, video
 
@@ -213,11 +214,11 @@ def _fetched_frames(frames):
     ``inputs.fetched``) and handed to the stock code as the data URIs it accepts."""
     import base64
 
-    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
     out = []
     for frame in frames:
         if isinstance(frame, str) and frame.startswith(("http://", "https://")):
-            source = inputs.fetched(inputs.describe(frame), limits, timeout)
+            source = inputs.fetched(inputs.describe(frame), limits, url_timeout)
             if source.kind == "bytes":
                 frame = "data:image;base64," + base64.b64encode(source.value).decode("ascii")
         out.append(frame)
@@ -232,13 +233,13 @@ def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_
         ele = dict(ele, video=[_absolute_if_local(item) for item in _fetched_frames(ele["video"])])
         return engine.call(_stock_fetch_frames, ele, image_patch_size, return_video_sample_fps,
                            return_video_metadata, path=str(ele["video"][0]) if ele["video"] else None)
-    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
-    source = inputs.fetched(inputs.describe(ele["video"]), limits, timeout)
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
+    source = inputs.fetched(inputs.describe(ele["video"]), limits, url_timeout)
     sampling = {key: ele[key] for key in _SAMPLING_KEYS if key in ele}
     sizing = {key: ele[key] for key in _SIZING_KEYS if key in ele}
     seq_len = int(float(os.environ.get("MODEL_SEQ_LEN", 128000)))
     resized, info, indices, total = engine.call(
-        sample_resized, source, limits, timeout, sampling, sizing, image_patch_size,
+        sample_resized, source, limits, url_timeout, sampling, sizing, image_patch_size,
         current_settings(), seq_len, reader_family(), path=source.label)
     sample_fps = len(indices) / max(total, 1e-6) * info.fps
     # What decoded, whatever FORCE_QWENVL_VIDEO_READER asked stock to use.
@@ -248,10 +249,10 @@ def fetch_video(ele, image_patch_size=14, return_video_sample_fps=False, return_
 
 
 def _omni_audio(path, start, end):
-    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
-    source = inputs.fetched(inputs.describe(path), limits, timeout)
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
+    source = inputs.fetched(inputs.describe(path), limits, url_timeout)
     duration = (end - start) if end is not None else None
-    samples, _ = engine.call(audio.load, source, limits, timeout, OMNI_SAMPLE_RATE,
+    samples, _ = engine.call(audio.load, source, limits, url_timeout, OMNI_SAMPLE_RATE,
                              True, start, duration, path=source.label)
     return samples
 

@@ -24,9 +24,10 @@ import pickle
 import sys
 import types
 
-from .. import confine as confinement, engine
+from ..confinement import policy as confinement
+from ..engine import calls as engine
 from ..errors import MediaDecodeError, decode_failure
-from ..integrations._patching import original_of
+from ..patching.targets import original_of
 
 
 def stock_function(module: str, name: str):
@@ -63,7 +64,7 @@ _prepared: set[tuple[str, bool]] = set()
 
 def import_in_sandbox(module: str, confined: bool) -> None:
     """In a sandbox, as it starts: import ``module`` where this sandbox serves its calls."""
-    from .. import confine
+    from ..confinement import policy as confine
 
     if confine.status_here()["no_new_privs"] == confined:
         try:

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from .. import engine, transport
+from ..engine import calls as engine, transport
 from . import audio as _audio
 from . import families, guards, inputs, video
 
@@ -25,9 +25,9 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _sample(media, family, pick, *pick_args, pixel_bytes=3):
-    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
-    source = inputs.fetched(inputs.describe(media), limits, timeout)
-    return engine.call(video.sample, source, limits, timeout, pick, *pick_args,
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
+    source = inputs.fetched(inputs.describe(media), limits, url_timeout)
+    return engine.call(video.sample, source, limits, url_timeout, pick, *pick_args,
                        pixel_bytes=pixel_bytes, family=family, path=source.label)
 
 
@@ -176,20 +176,20 @@ def load_video_hf(videos):
     from transformers.video_utils import VideoMetadata
 
     backend = os.environ.get("VIDEO_LOAD_BACKEND", "pyav")
-    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
     res, metadata = [], []
     for item in videos:
         if isinstance(item, (list, tuple)) and isinstance(item[0], str):
-            sources = [inputs.fetched(inputs.describe(name), limits, timeout) for name in item]
-            res.append(engine.call(video.load_images, sources, limits, timeout, path=sources[0].label))
+            sources = [inputs.fetched(inputs.describe(name), limits, url_timeout) for name in item]
+            res.append(engine.call(video.load_images, sources, limits, url_timeout, path=sources[0].label))
             metadata.append(None)
             continue
         if not isinstance(item, str):  # decoded frames pass through, as in transformers
             res.append(item)
             metadata.append([None] * len(item))
             continue
-        source = inputs.fetched(inputs.describe(item), limits, timeout)
-        frames, info, indices = engine.call(video.sample, source, limits, timeout, all_indices,
+        source = inputs.fetched(inputs.describe(item), limits, url_timeout)
+        frames, info, indices = engine.call(video.sample, source, limits, url_timeout, all_indices,
                                             family=families.HF_BACKENDS.get(backend, families.PYAV),
                                             path=source.label)
         res.append(frames)
@@ -222,7 +222,7 @@ def load_audio(audio, sampling_rate, return_sr=False, mono=True):
         entry = _audio.load_soundfile_pyav
     else:
         raise ValueError(f"Unknown audio load backend {backend!r}. Supported: librosa, soundfile_pyav")
-    limits, timeout = guards.Limits.from_env(), inputs.url_timeout()
-    source = inputs.fetched(inputs.describe(audio), limits, timeout)
-    res = engine.call(entry, source, limits, timeout, sampling_rate, mono, path=source.label)
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
+    source = inputs.fetched(inputs.describe(audio), limits, url_timeout)
+    res = engine.call(entry, source, limits, url_timeout, sampling_rate, mono, path=source.label)
     return res if return_sr else res[0]

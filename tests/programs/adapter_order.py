@@ -15,7 +15,7 @@ import sys
 
 
 def target_states(adapter) -> dict[str, bool]:
-    from swift_safe_media.integrations._patching import original_of
+    from swift_safe_media.patching.targets import original_of
 
     states = {}
     for target in adapter.TARGETS:
@@ -39,7 +39,7 @@ def target_states(adapter) -> dict[str, bool]:
 
 def main(host: str, order: str) -> None:
     import swift_safe_media
-    from swift_safe_media import integrations
+    from swift_safe_media.patching import host_adapters as integrations
 
     adapter = integrations.adapter_for(host)
 

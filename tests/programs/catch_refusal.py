@@ -17,7 +17,8 @@ from multiprocessing import forkserver
 
 def main() -> None:
     import swift_safe_media
-    from swift_safe_media import watchdog, zygote  # their /proc helpers: what runs below this process
+    from swift_safe_media.records import watchdog
+    from swift_safe_media.engine import zygote  # their /proc helpers: what runs below this process
 
     server = forkserver._forkserver
     ensure_running, started = server.ensure_running, []

@@ -147,7 +147,7 @@ def same(a, b) -> bool:
 
 def run(case: Case, media: str, start_method: str) -> dict:
     from swift.dataset.utils import LazyLLMDataset
-    from swift_safe_media.integrations import media as libraries
+    from swift_safe_media.patching import media_libraries as libraries
 
     template = template_for(case.family, os.path.join(media, "model"))
     dataset = LazyLLMDataset(rows(case, media), Step(template, case), strict=False, n_try_fetch=6)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def main() -> None:
     from swift_safe_media import call
-    from swift_safe_media.engine import get_engine
+    from swift_safe_media.engine.calls import get_engine
     from tests import sandboxed
 
     frames = call(sandboxed.big_frames, 360, 640)

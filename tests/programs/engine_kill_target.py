@@ -13,7 +13,7 @@ import time
 
 def main(pid_file: str, mode: str) -> None:
     from swift_safe_media import call
-    from swift_safe_media.engine import get_engine
+    from swift_safe_media.engine.calls import get_engine
     from tests import sandboxed
 
     sandbox = call(sandboxed.sandbox_pid)

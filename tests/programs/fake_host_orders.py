@@ -26,10 +26,10 @@ import sys
 logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
 
 import swift_safe_media  # noqa: E402  (after the logging set-up, as the host's program would)
-from swift_safe_media import integrations  # noqa: E402
+from swift_safe_media.patching import host_adapters as integrations  # noqa: E402
 
-integrations.ADAPTERS.clear()
-integrations.ADAPTERS["fakehost"] = "fake_adapter"
+integrations.known_hosts = lambda: ["fakehost"]  # the only host of this program
+import fake_adapter  # noqa: E402,F401  (an adapter outside hosts/: it registers itself)
 
 
 def state():

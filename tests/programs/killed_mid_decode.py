@@ -18,7 +18,8 @@ def main() -> None:
     import torch.utils.data
 
     import swift_safe_media
-    from swift_safe_media import config, run_folders
+    from swift_safe_media import config
+    from swift_safe_media.engine import run_folders
     from tests import sandboxed
     from tests.loader_datasets import HangingDataset
 

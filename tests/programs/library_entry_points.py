@@ -22,7 +22,7 @@ import numpy as np
 
 import swift_safe_media as ssm
 from swift_safe_media.decoders.stock import stock_function
-from swift_safe_media.integrations import media
+from swift_safe_media.patching import media_libraries as media
 
 # A model's own code, as InternLM-XComposer ships ixc_utils.load_video (decord inside).
 REMOTE_UTILS = '''

@@ -20,7 +20,7 @@ def main(args: list[str]) -> None:
     from llamafactory.hparams import get_train_args
 
     import swift_safe_media
-    from swift_safe_media.integrations._patching import original_of
+    from swift_safe_media.patching.targets import original_of
 
     try:
         parsed = get_train_args()

@@ -88,7 +88,7 @@ def cases(corpus: Path, processor_dir: str):
 
 def main(corpus_dir: str, processor_dir: str) -> None:
     import swift_safe_media
-    from swift_safe_media import summary
+    from swift_safe_media.records import summary
 
     corpus = Path(corpus_dir)
     stock = {label: digest(run()) for label, run in cases(corpus, processor_dir)}

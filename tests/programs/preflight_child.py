@@ -10,7 +10,7 @@ from __future__ import annotations
 
 def main() -> None:
     import swift_safe_media
-    from swift_safe_media import preflight
+    from swift_safe_media.checks import preflight
 
     swift_safe_media.enable()
     print("inspected:", len(preflight._verdicts))

@@ -13,7 +13,7 @@ import sys
 
 def main() -> None:
     import swift_safe_media
-    from swift_safe_media import preflight
+    from swift_safe_media.checks import preflight
 
     swift_safe_media.enable()
     print("parent inspected:", len(preflight._verdicts))

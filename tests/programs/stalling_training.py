@@ -16,7 +16,8 @@ import logging
 def main(warm: bool) -> None:
     import torch.utils.data
     import swift_safe_media
-    from swift_safe_media import config, watchdog
+    from swift_safe_media import config
+    from swift_safe_media.records import watchdog
     from tests.loader_datasets import StallingDataset
 
     logging.basicConfig(level=logging.INFO, format="LOG %(message)s")

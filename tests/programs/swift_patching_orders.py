@@ -22,8 +22,8 @@ import json
 import sys
 
 import swift_safe_media
-from swift_safe_media.integrations import swift as adapter
-from swift_safe_media.integrations._patching import original_of
+from swift_safe_media.hosts.swift import adapter
+from swift_safe_media.patching.targets import original_of
 
 
 def state():

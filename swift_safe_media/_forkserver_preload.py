@@ -1,5 +1,0 @@
-"""Imported first by the warm forkserver (see :mod:`.warm_start`): its imports, once."""
-
-from .warm_start import preload_in_forkserver
-
-preload_in_forkserver()

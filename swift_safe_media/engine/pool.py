@@ -1,0 +1,400 @@
+"""The pool behind ``call``: one :class:`SandboxPool` per calling process.
+
+One pool of sandboxes per calling process (one sandbox unless ``SWIFT_SAFE_MEDIA_SANDBOXES``
+says more). Threads of one process share the pool: a caller waits for a free sandbox, and the
+timeout counts only the time its function runs, so a slow neighbour never turns into a false
+timeout. DataLoader workers are separate processes and each gets its own pool; a forked child
+drops the pool it inherited and starts its own.
+
+:meth:`SandboxPool.run` is one exchange with a sandbox: send the request, wait for the
+result under the timeout, and on overrun or death kill the sandbox, start its
+successor at once and raise the typed error. Sandboxes come from the zygote
+(:mod:`.zygote`); what runs inside them is :mod:`.sandbox`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import select
+import threading
+import time
+
+from .. import config, process
+from ..confinement import policy as confine
+from . import faults, transport
+from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
+from .faults import describe_status
+from .shared_zygote import shared_address
+from .zygote import SandboxHandle, Zygote
+
+log = logging.getLogger("swift_safe_media")
+
+
+class RemoteTraceback(Exception):
+    """Carries the sandbox-side traceback as the ``__cause__`` of a re-raised exception."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+_sandbox_setups: list = []
+
+
+def set_up_sandboxes(fn) -> None:
+    """Run ``fn()`` (a module-level function) once in each sandbox of this process before
+    the sandbox's first call, replacements included: imports a host needs there, say.
+    It runs under the start-up timeout (``SWIFT_SAFE_MEDIA_START_TIMEOUT``), not the
+    call's, and is not counted as a decode."""
+    if fn not in _sandbox_setups:
+        _sandbox_setups.append(fn)
+
+
+def sandbox_setups() -> tuple:
+    """The functions registered with :func:`set_up_sandboxes`, in order."""
+    return tuple(_sandbox_setups)
+
+
+def forget_sandbox_setup(fn) -> None:
+    """Undo :func:`set_up_sandboxes` for sandboxes started from now on."""
+    if fn in _sandbox_setups:
+        _sandbox_setups.remove(fn)
+
+
+class SandboxPool:
+    """A pool of sandboxes: confined ones (the default) or, for fetches and functions
+    that need the network, unconfined ones."""
+
+    def __init__(self, confined: bool = True):
+        self.confined = confined
+        self._lock = threading.Condition()
+        self._zygote: Zygote | None = None
+        self._zygote_lock = threading.Lock()
+        self._shared_failed = False  # the rank's shared zygote failed us: use our own from now on
+        self._idle: list[SandboxHandle] = []
+        self._busy = 0
+        self._closed = False
+        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0,
+                      "last_kill_to_ready_s": None}
+        self._oom_kills = faults.oom_kills()  # the OOM killer's counters, as last read
+
+    # -- pool ---------------------------------------------------------------------
+    def _checkout(self) -> SandboxHandle:
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise RuntimeError("swift_safe_media engine is shut down")
+                if self._idle and (self._zygote is None or not self._zygote.is_alive()):
+                    self._drop_orphaned_sandboxes()
+                memory_cap_mb = config.max_memory_mb()
+                while self._idle:
+                    box = self._idle.pop()
+                    if not box.is_alive():
+                        self._discard_quietly(box)
+                    elif box.memory_cap_mb != memory_cap_mb:
+                        # SWIFT_SAFE_MEDIA_MAX_MEMORY_MB changed since it started: a sandbox
+                        # cannot raise or lower its own cap, so its successor takes the new one.
+                        self._end(box)
+                    else:
+                        self._busy += 1
+                        return box
+                if self._busy < config.max_sandboxes():
+                    self._busy += 1
+                    break
+                self._lock.wait()
+        try:
+            return self._spawn()
+        except BaseException:
+            with self._lock:
+                self._busy -= 1
+                self._lock.notify()
+            raise
+
+    def _drop_orphaned_sandboxes(self) -> None:
+        """Sandboxes of a dead zygote are dying of PR_SET_PDEATHSIG, maybe not dead yet."""
+        for box in self._idle:
+            box.kill()
+        self._idle.clear()
+
+    def _checkin(self, box: SandboxHandle) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._idle.append(box)
+            self._lock.notify()
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify()
+
+    def _spawn(self, deadline: float | None = None) -> SandboxHandle:
+        deadline = deadline or time.monotonic() + config.start_timeout()
+        with self._zygote_lock:
+            while True:
+                if self._zygote is None or not self._zygote.is_alive():
+                    self._drop_zygote()
+                    self._zygote = self._open_zygote()
+                try:
+                    box = self._zygote.spawn(config.max_memory_mb(), deadline, self.confined)
+                    break
+                except (OSError, EOFError) as exc:
+                    shared = self._zygote.process is None
+                    self._drop_zygote()  # a reply may still be on its way: the channel is out of step
+                    # A slow answer is not a dead zygote (it may be importing, or forking
+                    # for another caller): only a refused or broken connection is.
+                    if not shared or isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
+                        raise
+                    self._shared_unusable(exc)  # then once more, with a zygote of our own
+                except BaseException:
+                    self._drop_zygote()
+                    raise
+        self.stats["sandboxes_started"] += 1
+        return box
+
+    def _open_zygote(self) -> Zygote:
+        """The rank's shared zygote when there is one (see :class:`~.shared_zygote.SharedZygote`),
+        else a zygote of this process's own."""
+        address = None if self._shared_failed else shared_address(self.confined)
+        if address is not None:
+            try:
+                return Zygote.connect(address)
+            except OSError as exc:
+                self._shared_unusable(exc)
+        return Zygote(config.start_timeout(), self.confined)
+
+    def _shared_unusable(self, exc) -> None:
+        self._shared_failed = True
+        log.warning("swift_safe_media: the shared zygote is not answering (%s); this process "
+                    "starts its own", exc)
+
+    def _drop_zygote(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close(wait=0.5)
+            self._zygote = None
+
+    def _end(self, box: SandboxHandle) -> tuple[int, int]:
+        """Kill the sandbox's whole process group, then collect its exit status."""
+        box.kill()
+        with self._zygote_lock:
+            if self._zygote is None:
+                return -1, 0
+            try:
+                return self._zygote.reap(box.pid, time.monotonic() + 5.0)
+            except (OSError, EOFError):
+                self._drop_zygote()
+                return -1, 0
+
+    def _discard_quietly(self, box: SandboxHandle) -> None:
+        status, _ = self._end(box)
+        log.warning("swift_safe_media: an idle sandbox (pid %d) had died (%s); replaced",
+                    box.pid, describe_status(status))
+
+    def _replace(self, box: SandboxHandle) -> tuple[int, int]:
+        """End a failed sandbox and start its successor now, so the next call finds it ready."""
+        killed_at = time.monotonic()
+        status = self._end(box)
+        zygote = self._zygote
+        if zygote is None or not zygote.is_alive():
+            self._release_slot()  # restarting a zygote takes seconds: leave it to the next call
+            return status
+        try:
+            # Bounded, so the caller's error is never held up by a slow fork.
+            successor = self._spawn(deadline=killed_at + 2.0)
+        except BaseException as exc:
+            log.warning("swift_safe_media: could not start a replacement sandbox yet: %s", exc)
+            self._release_slot()
+        else:
+            self.stats["last_kill_to_ready_s"] = time.monotonic() - killed_at
+            self._checkin(successor)
+        return status
+
+    # -- calls --------------------------------------------------------------------
+    def run(self, fn, args, kwargs, timeout: float, path, on_progress=None, on_start=None,
+            restart_on_progress: bool = True):
+        """``on_start()`` is called once a sandbox is ready and set up, as the call itself
+        starts; ``on_progress(payload)`` as the sandbox reports progress, returning the path a
+        failure from then on is pinned on (and, with ``restart_on_progress``, the timeout
+        starts again: the next call of a ``call_each`` batch has begun)."""
+        message, fd, owned = _encode_request(fn, args, kwargs)
+        try:
+            box = self._ready_sandbox(path)
+        except BaseException:
+            if owned:
+                os.close(fd)
+            raise
+        self.stats["calls"] += 1
+        if on_start is not None:
+            on_start()
+        return self._exchange(box, message, fd, owned, timeout, path, on_progress, restart=restart_on_progress)
+
+    def _ready_sandbox(self, path) -> SandboxHandle:
+        """A sandbox, set up, for a call. Failing either is never the file's (it is not open
+        yet): a start the machine broke (a zygote killed as it started, say) is tried again,
+        after growing pauses, for up to the start timeout; a zygote that exited by itself
+        (its imports failed) is not."""
+        first, pause = time.monotonic(), 0.25
+        while True:
+            try:
+                box = self._checkout()
+                self._set_up(box, path)
+                return box
+            except (OSError, EOFError) as exc:
+                exited = getattr(exc, "zygote_exit", None)
+                if (exited is not None and exited > 0) or faults.caller_gone() \
+                        or time.monotonic() + pause - first > config.start_timeout():
+                    error = MediaMachineFault(path, f"could not start a sandbox: {exc!r}")
+                    error.exhausted = True  # tried for as long as a start may take: no retry on top
+                    raise error from exc
+                log.warning("swift_safe_media: could not start a sandbox (%r), a machine fault; trying again "
+                            "in %.2g s", exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 2.0)
+            except MediaDecodeError as exc:
+                if exc.fault == MACHINE:
+                    raise
+                raise MediaMachineFault(path, f"could not set up a sandbox: {exc.reason}") from exc
+
+    def _set_up(self, box: SandboxHandle, path) -> None:
+        """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
+        while box.setups_done < len(_sandbox_setups):
+            message, fd, owned = _encode_request(_sandbox_setups[box.setups_done], (), {})
+            self._exchange(box, message, fd, owned, config.start_timeout(), path, keep=True)
+            box.setups_done += 1
+
+    def _exchange(self, box: SandboxHandle, message, fd, owned, timeout: float, path, on_progress=None,
+                  keep: bool = False, restart: bool = True):
+        """Send one request and return its result. The sandbox goes back to the pool
+        afterwards, or stays checked out with ``keep`` and a result; one that failed
+        is replaced. The timeout does not count time the sandbox waited for a CPU (up to
+        a ceiling: see :class:`~.faults.FairClock`)."""
+        clock = faults.FairClock(box.pid, timeout, config.timeout_ceiling())
+        try:
+            try:
+                box.hand_back_blocks(clock.deadline)
+            except BaseException:
+                if owned:
+                    os.close(fd)
+                raise
+            transport.send_encoded(box.conn, message, fd, owned, clock.deadline)
+            kind, payload = _receive(box, clock)
+            while kind == transport.PROGRESS:  # a call of a call_each batch starts (or ends)
+                path = on_progress(payload)
+                if restart:
+                    clock.restart()
+                kind, payload = _receive(box, clock)
+        except TimeoutError:
+            self.stats["timeouts"] += 1
+            self._replace(box)
+            error = MediaDecodeTimeout(path, f"decode overran its {timeout:g} s timeout{clock.describe()}; "
+                                             f"sandbox pid {box.pid} was killed", time.monotonic() - clock.started)
+            error.ambiguous = clock.capped  # cut short by the ceiling: the machine may be to blame
+            raise error from None
+        except (EOFError, ConnectionError) as exc:
+            self.stats["crashes"] += 1
+            status, peak_kib = self._replace(box)
+            counters = faults.oom_kills()
+            oom, self._oom_kills = faults.risen(self._oom_kills, counters), counters
+            raise faults.crash_error(box.pid, status, peak_kib, oom, path, time.monotonic() - clock.started) from exc
+        except BaseException:
+            self._replace(box)  # interrupted mid-exchange: the stream is out of step
+            raise
+        elapsed = time.monotonic() - clock.started
+        if kind == transport.RESULT:
+            if not keep:
+                self._checkin(box)
+            return payload
+        exc, details = payload
+        if details["out_of_memory"]:
+            self._replace(box)  # a heap that hit its cap is not worth reusing
+            raise MediaDecodeError(
+                path, f"memory limit of {details['memory_cap_mb']} MB exceeded "
+                      f"({details['type']}: {details['message']})", elapsed) from None
+        self._checkin(box)
+        raise _rebuild_exception(exc, details, path, elapsed, box.pid)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for box in idle:
+            box.conn.close()
+        with self._zygote_lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+
+    def abandon(self) -> None:
+        for box in self._idle:
+            box.conn.close()
+        self._idle = []
+        if self._zygote is not None:
+            self._zygote.abandon()
+
+
+def _encode_request(fn, args, kwargs):
+    try:
+        return transport.encode(transport.REQUEST, (fn, args, kwargs))
+    except (AttributeError, TypeError, ImportError, pickle.PicklingError) as exc:
+        raise TypeError(f"swift_safe_media.call needs a module-level function and picklable "
+                        f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
+
+
+def _receive(box: SandboxHandle, clock: faults.FairClock):
+    """The sandbox's next message, by the clock's deadline, moved on by the time the
+    sandbox waited for a CPU. Waiting happens before a message starts, so a deadline
+    never cuts one in half; the message itself gets a second more."""
+    poller = select.poll()  # not select(): a trainer may hold more than 1024 descriptors
+    poller.register(box.conn, select.POLLIN)
+    while not poller.poll(max(clock.deadline - time.monotonic(), 0) * 1000):
+        if not clock.extend():
+            raise TimeoutError
+    return transport.receive(box.conn, max(clock.deadline, time.monotonic() + 1.0), blocks=box.blocks)
+
+
+def _rebuild_exception(exc, details, path, elapsed, pid):
+    if exc is None:
+        return MediaDecodeError(path, f"{details['type']}: {details['message']}\n{details['traceback']}",
+                                elapsed)
+    if isinstance(exc, MediaDecodeError):
+        exc = exc.with_context(path, elapsed)
+    exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{details['traceback']}\"\"\"")
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in swift_safe_media sandbox pid {pid}"
+                     + (f" while decoding {path}" if path is not None else ""))
+    return exc
+
+
+def get_engine(confined: bool | None = None) -> SandboxPool:
+    """This process's pool of confined sandboxes (unless ``SWIFT_SAFE_MEDIA_CONFINE=0``),
+    or with ``confined=False`` its pool of unconfined ones (a forked child gets its own:
+    see :mod:`..process`)."""
+    confined = config.confine() if confined is None else confined and config.confine()
+    state = process.current()
+    engine = state.engines.get(confined)
+    if engine is None:
+        with state.engine_lock:
+            if confined not in state.engines:
+                if confined:
+                    confine.warn_once_if_missing()
+                state.engines[confined] = SandboxPool(confined)
+            engine = state.engines[confined]
+    return engine
+
+
+def shutdown() -> None:
+    """Stop this process's sandboxes and zygotes, the shared one it started included (also
+    done at exit)."""
+    state = process.current()
+    with state.engine_lock:
+        engines = list(state.engines.values())
+        state.engines.clear()
+    for engine in engines:
+        engine.close()
+    if state.shared_zygote is not None:  # after its callers here: their sandboxes go first
+        state.shared_zygote.close()
+        state.shared_zygote = None
+
+
+atexit.register(shutdown)

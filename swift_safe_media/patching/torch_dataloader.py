@@ -1,0 +1,59 @@
+"""torch's DataLoader, patched as every host is: a table of :class:`.targets.Target` rows,
+applied once torch's ``torch.utils.data.dataloader`` is imported (now, if it is), and
+restored exactly by ``disable()``.
+
+The rows come in groups, each patched while what it serves is on: ``worker start`` (how
+the workers start, :mod:`..workers.start`, whenever protection is on) and ``stall
+watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`, only while a
+stall timeout is set).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import import_hooks
+from .targets import Patches, Target
+
+MODULE = "torch.utils.data.dataloader"
+SCOPE = ("torch.utils.data",)
+
+TARGETS = {
+    "worker start": (
+        Target(MODULE, "DataLoader._get_iterator", "swift_safe_media.workers.start:get_iterator_deciding_start"),
+    ),
+    "stall watch": (
+        Target(MODULE, "_BaseDataLoaderIter.__next__", "swift_safe_media.records.watchdog:next_watched"),
+    ),
+}
+
+_patches = {group: Patches(SCOPE, targets, {}) for group, targets in TARGETS.items()}
+_wanted: set[str] = set()
+_hooked = False
+
+
+def patch(group: str) -> None:
+    """Patch ``group``'s rows now, or as soon as torch's DataLoader is imported."""
+    global _hooked
+    _wanted.add(group)
+    if not _hooked:
+        _hooked = True
+        import_hooks.when_imported(MODULE, _apply)  # applies now if torch's DataLoader is loaded
+    elif MODULE in sys.modules:
+        _apply(sys.modules[MODULE])
+
+
+def unpatch(group: str | None = None) -> None:
+    """Restore ``group``'s rows (every group's by default) to torch's own."""
+    for name in ([group] if group else list(_patches)):
+        _wanted.discard(name)
+        _patches[name].unpatch()
+
+
+def is_patched(group: str) -> bool:
+    return _patches[group].is_patched()
+
+
+def _apply(_module) -> None:
+    for group in sorted(_wanted):
+        _patches[group].patch()

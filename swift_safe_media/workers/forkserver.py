@@ -1,0 +1,384 @@
+"""Start early, off the critical path: what ``enable()`` starts in a training process (a
+rank) long before its first batch, so their imports overlap the model's loading.
+
+- **The warm forkserver.** CPython's own forkserver (``multiprocessing.forkserver``), told
+  to preload :mod:`._forkserver_preload`: that imports, once, the zygote's modules and
+  the data stack of the enabled hosts (torch, transformers, ms-swift or LeRobot, our
+  decoders: ``WORKER_PRELOAD`` of each adapter, plus ``SWIFT_SAFE_MEDIA_WORKER_PRELOAD``)
+  with thread pools of one thread, then the trainer's main script (which every child
+  imports before it runs, as under spawn) when its top level only imports and defines,
+  then counts its threads. DataLoader workers started
+  by ``forkserver`` (the default ``SWIFT_SAFE_MEDIA_MP_CONTEXT``) fork from it: a clean
+  process that never ran the caller's threads, locks or decoder state, as spawn gives,
+  at fork speed and sharing its pages. It dies with the trainer (``PR_SET_PDEATHSIG``, when the
+  trainer's main thread started it): torch's workers watch only their own parent, and
+  CPython's forkserver would outlive a killed trainer as long as any child of it lives.
+- **The shared zygote** (:class:`.shared_zygote.SharedZygote`): one per rank, used by the rank
+  and all its DataLoader workers. It is forked from the same forkserver (so it shares
+  those pages too), or started by exec where the forkserver is not ours to use.
+
+Both start in the background, first thing in ``enable()``: their imports overlap the
+pre-flight check's (torch, a second or two) and then the run's own set-up, and ``enable()``
+returns as soon as the check has passed. A run the check refuses stops them again
+(:func:`withdraw`). A forkserver that ends up with a thread after its imports is not
+forked from: DataLoaders asking for it get spawn (one warning) and the zygote is started
+by exec instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+
+from .. import config, process
+from ..engine.shared_zygote import SharedZygote
+from ..engine.zygote_start import PARENT_THREADS_ENV
+
+log = logging.getLogger("swift_safe_media")
+
+PRELOAD_MODULE = "swift_safe_media.workers._forkserver_preload"
+FORKSERVER = "forkserver"
+
+_in_forkserver = False  # true in the warm forkserver itself (not in what it forks)
+
+
+def in_forkserver() -> bool:
+    return _in_forkserver
+
+
+def start(hosts) -> None:
+    """Start the warm forkserver (when DataLoader workers will use it: the start method is
+    ``forkserver`` and the host did not say the run has no workers, as ``swift infer``)
+    and this rank's shared zygote, once per process; a later ``enable()`` keeps them."""
+    state = process.current()
+    if state.shared_zygote is not None or not config.get(config.WARM_START):
+        return
+    # Its socket is named in the environment before the forkserver copies the environment.
+    try:
+        shared = state.shared_zygote = SharedZygote(config.confine())
+    except OSError as exc:  # fail open: each process then starts its own zygote, as before
+        log.warning("swift_safe_media: no shared zygote (%s); each process starts its own", exc)
+        return
+    start_zygote = None
+    if (config.mp_context() == FORKSERVER and state.dataloader_workers_expected is not False
+            and _main_may_be_imported_again()):
+        try:
+            if _start_forkserver(hosts):
+                start_zygote = fork_zygote
+        except Exception as exc:  # the workers' start method still works, from a cold forkserver
+            log.warning("swift_safe_media: could not start the warm forkserver: %s", exc)
+    shared.start(start_zygote)
+
+
+def stop() -> None:
+    state = process.current()
+    if state.shared_zygote is not None:
+        state.shared_zygote.close()
+        state.shared_zygote = None
+
+
+def withdraw() -> None:
+    """Undo :func:`start` for a run that will not be protected after all (``enable()``
+    refused it): the zygote stops, the warm forkserver is killed mid-import, and
+    CPython's forkserver is left as it was found, so a caller that goes on unprotected
+    forks from nothing of ours."""
+    from multiprocessing import forkserver
+
+    stop()  # first: a zygote not yet forked will not be
+    state = process.current()
+    if state.forkserver_environment is None:
+        return
+    state.forkserver_environment = None
+    server = forkserver._forkserver
+    # Under its lock, so that nothing starting a process meanwhile finds it dead and starts
+    # it again (CPython's ensure_running does).
+    with server._lock:
+        pid = server._forkserver_pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # it is importing for seconds: asking it to stop would wait for that
+            server._stop_unlocked()  # reaps it and forgets its address
+        server._preload_modules, state.forkserver_preload_before = state.forkserver_preload_before, None
+
+
+def _main_may_be_imported_again() -> bool:
+    """A process forked from the forkserver imports the main script again (as spawn does):
+    harmless only if the statement running it now is under ``if __name__ == "__main__":``
+    or is an import (``SWIFT_SAFE_MEDIA=1`` enables protection as the host is imported)."""
+    from . import spawn_guard
+
+    return spawn_guard.unguarded_main_statement(imports_are_harmless=True) is None
+
+
+def worker_preload(hosts) -> list[str]:
+    """What the warm forkserver imports: the zygote's modules, the data stacks of the hosts
+    named (or, with none named, of those this process has imported: a host that is merely
+    installed is not worth importing), the user's."""
+    import sys
+
+    from ..patching import host_adapters as integrations
+
+    names = list(config.preload_modules())
+    for host in hosts or [host for host in integrations.known_hosts() if host in sys.modules]:
+        names += integrations.adapter_for(host).WORKER_PRELOAD
+    names += config.get(config.WORKER_PRELOAD)
+    return list(dict.fromkeys(names))
+
+
+def _start_forkserver(hosts) -> bool:
+    """Start CPython's forkserver with our preload, unless it already runs (then it is
+    someone else's: left alone). True when it is ours."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return False
+    config.put(config.FORKSERVER_PRELOAD, ",".join(worker_preload(hosts)))
+    config.put(config.FORKSERVER_MAIN, _main_for_forkserver())
+    # The parent-death signal follows the thread that forks: only the main thread lasts as
+    # long as the process.
+    config.put(config.FORKSERVER_PARENT, os.getpid() if threading.current_thread() is threading.main_thread() else 0)
+    # Ours first, so nothing imports before the thread pools are quieted: not even the main
+    # script (CPython's default preload, which CPython imports before any other); ours
+    # imports it after the rest, when that is safe (_main_for_forkserver).
+    found = list(getattr(server, "_preload_modules", ()))
+    theirs = [name for name in found if name not in (PRELOAD_MODULE, "__main__")]
+    multiprocessing.get_context(FORKSERVER).set_forkserver_preload([PRELOAD_MODULE, *theirs])
+    state = process.current()
+    state.forkserver_environment, state.forkserver_preload_before = dict(os.environ), found
+    server.ensure_running()  # starts it by exec and returns; it imports in the background
+    return True
+
+
+def _main_for_forkserver() -> str | None:
+    """How the forkserver names this process's main script, so that workers forked from it
+    find it imported (``path:FILE`` or ``module:NAME``, as CPython tells a child), or None:
+    when it is off, or the script's top level does more than import and define."""
+    from multiprocessing import spawn
+
+    from . import spawn_guard
+
+    if not config.get(config.FORKSERVER_IMPORTS_MAIN):
+        return None
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script or not spawn_guard.only_imports_and_defines(script):
+        return None
+    told = spawn.get_preparation_data("swift-safe-media-forkserver")
+    if "init_main_from_name" in told:
+        return f"module:{told['init_main_from_name']}"
+    if "init_main_from_path" in told:
+        return f"path:{told['init_main_from_path']}"
+    return None
+
+
+class _WithEnvironment:
+    """A DataLoader ``worker_init_fn`` that first brings the worker's environment up to
+    date with its parent's (picklable, so it reaches the worker with its arguments)."""
+
+    def __init__(self, changed: dict, removed: list, init_fn):
+        self.changed, self.removed, self.init_fn = changed, removed, init_fn
+
+    def __call__(self, worker_id):
+        for name in self.removed:
+            os.environ.pop(name, None)
+        os.environ.update(self.changed)
+        if self.init_fn is not None:
+            return self.init_fn(worker_id)
+
+
+@contextlib.contextmanager
+def workers_see_current_environment(loader, method: str):
+    """While ``loader`` starts workers from the warm forkserver: they adopt the loader's
+    process's environment as it is now (variables set after ``enable()`` included)."""
+    base = process.current().forkserver_environment
+    if base is None or method != FORKSERVER or loader.num_workers <= 0:
+        yield
+        return
+    changed = {name: value for name, value in os.environ.items() if base.get(name) != value}
+    removed = [name for name in base if name not in os.environ]
+    if not changed and not removed:
+        yield
+        return
+    init_fn = loader.worker_init_fn
+    loader.worker_init_fn = _WithEnvironment(changed, removed, init_fn)
+    try:
+        yield
+    finally:
+        loader.worker_init_fn = init_fn
+
+
+# The name of the zygote's process: the warm forkserver prepares it without the main script.
+ZYGOTE_PROCESS = "swift-safe-media-zygote"
+
+
+def fork_zygote(zygote_end, listener):
+    """Start the shared zygote as a child of the warm forkserver (blocks until it is forked,
+    which is once the forkserver has imported)."""
+    child = multiprocessing.get_context(FORKSERVER).Process(
+        target=_zygote_child, args=(zygote_end, listener), name=ZYGOTE_PROCESS, daemon=True)
+    child.start()
+    return child
+
+
+def _zygote_child(zygote_end, listener) -> None:
+    from ..confinement import environment as confine_env
+    from ..engine import zygote
+
+    confine_env.scrub()  # forked from a process holding the trainer's environment
+
+    zygote.zygote_main(zygote_end.detach(), listener.detach())
+
+
+def forkserver_verdict(timeout: float) -> str | None:
+    """Why DataLoader workers must not fork from the warm forkserver (it has threads), or
+    None. Waits (up to ``timeout``) for the shared zygote's report, when it was forked there."""
+    zygote = process.current().shared_zygote
+    if zygote is None or zygote.started_by is not fork_zygote:
+        return None
+    zygote.ready.wait(timeout)
+    return zygote.parent_problem
+
+
+# -- in the forkserver ----------------------------------------------------------------
+def preload_in_forkserver() -> None:
+    """Run by :mod:`._forkserver_preload` in the forkserver, before it forks anything."""
+    global _in_forkserver
+    _in_forkserver = True
+    parent = os.getppid()  # the process that started it: once it is gone, so are we
+    trainer = config.get(config.FORKSERVER_PARENT)
+    if trainer:
+        process.die_with_parent(trainer)
+    os.register_at_fork(after_in_child=_forked_from_forkserver)
+    _zygote_skips_main_script()
+    if config.stall_timeout() > 0:
+        # What it forks answers the stall watchdog's stack dumps. The start-up hook, which
+        # makes spawned workers answer, looks for the watchdog's folder: enable() starts this
+        # process before it installs the watchdog.
+        from ..records import watchdog
+
+        watchdog.answer_stack_dumps()
+    quiet = {name: "1" for name in config.THREAD_ENV_VARS}  # no thread pool may start at import
+    # pyarrow (under datasets and LeRobot) starts jemalloc's purging thread as it loads.
+    quiet["JE_ARROW_MALLOC_CONF"] = os.environ.get("JE_ARROW_MALLOC_CONF") or "background_thread:false"
+    saved = {name: os.environ.get(name) for name in quiet}
+    os.environ.update(quiet)
+    try:
+        from ..engine import zygote_start
+
+        zygote_start.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
+        threads_before_main = len(_threads())
+        if os.getppid() == parent:
+            _import_main(config.get(config.FORKSERVER_MAIN))
+    finally:
+        for name, value in saved.items():  # what the workers see is the user's environment
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    # What is imported now stays shared with everything forked from here: frozen, the
+    # objects are left out of the children's garbage collections, which would otherwise
+    # write to (and so copy) every page holding one.
+    gc.collect()
+    gc.freeze()
+    _map_large_blocks(config.get(config.WORKER_MMAP_THRESHOLD_KB))
+    threads = _threads()
+    os.environ[PARENT_THREADS_ENV] = str(len(threads))
+    if len(threads) > 1:
+        by_main = (f" ({len(threads) - threads_before_main} started by importing the main script; "
+                   f"{config.FORKSERVER_IMPORTS_MAIN}=0 leaves it to the workers)"
+                   if len(threads) > threads_before_main else "")
+        log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s)%s; "
+                    "DataLoader workers will be spawned instead", len(threads), ", ".join(threads), by_main)
+
+
+def _zygote_skips_main_script() -> None:
+    """What this forkserver forks is prepared as CPython's spawn prepares a child: it runs
+    the parent's main script (as ``__mp_main__``) before its target, and a script without
+    ``if __name__ == "__main__":`` decodes at its top level. In the zygote, that decode
+    would wait for the zygote itself (it has not started serving) until the start-up
+    timeout. The zygote needs nothing of the main script (a sandbox loads the functions a
+    call names there, see :mod:`..engine.sandbox`), so its preparation leaves the script out."""
+    from multiprocessing import spawn
+
+    prepare = spawn.prepare
+    if getattr(prepare, "_swift_safe_media", False):
+        return
+
+    def prepare_child(data):
+        if data.get("name") == ZYGOTE_PROCESS:
+            data = {key: value for key, value in data.items()
+                    if key not in ("init_main_from_path", "init_main_from_name")}
+        return prepare(data)
+
+    prepare_child._swift_safe_media = True
+    spawn.prepare = prepare_child
+
+
+def _import_main(main: str | None) -> None:
+    """Import the trainer's main script as CPython's spawn does in each child (as
+    ``__mp_main__``, under ``__name__ != "__main__"``); a child forked from here then finds
+    it imported and skips it. A failure is left to the children, which meet it anyway."""
+    if not main:
+        return
+    from multiprocessing import spawn
+
+    kind, _, name = main.partition(":")
+    current = multiprocessing.current_process()
+    current._inheriting = True  # as CPython marks a child preparing: it must not start processes
+    try:
+        if kind == "module":
+            spawn._fixup_main_from_name(name)
+        else:
+            spawn.import_main_path(name)
+    except (Exception, SystemExit) as exc:
+        log.debug("swift_safe_media: the warm forkserver could not import %s: %r", name, exc)
+    finally:
+        del current._inheriting
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def _map_large_blocks(kib: int) -> None:
+    """Fix glibc's mmap threshold at ``kib`` for this process and all it forks. A worker
+    frees a sample's frames and tensors after each batch; under glibc's sliding threshold
+    they are carved from the heap, which keeps the freed pages. Mapped blocks go back to
+    the system when freed. Anything but glibc: left as it is."""
+    if not kib:
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    if not mallopt(_M_MMAP_THRESHOLD, kib * 1024):
+        log.debug("swift_safe_media: mallopt(M_MMAP_THRESHOLD, %d KiB) refused", kib)
+
+
+def _forked_from_forkserver() -> None:
+    global _in_forkserver
+    _in_forkserver = False
+    try:
+        from . import trainer_watchdog as worker_watchdog
+
+        worker_watchdog.watch_the_trainer()  # a forkserver killed from outside leaves its workers at work
+    except Exception:
+        pass
+
+
+def _threads() -> list[str]:
+    try:
+        names = []
+        for task in sorted(os.listdir("/proc/self/task")):
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        return names
+    except OSError:
+        return ["?"]

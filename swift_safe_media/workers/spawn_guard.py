@@ -1,0 +1,192 @@
+"""Spawned workers re-run the main script: one without ``if __name__ == "__main__":``
+around its DataLoader would start workers again in each worker, and the parent waits
+for ever (CPython's spawn and forkserver both import the main module in the child).
+
+Before a DataLoader starts workers by spawn or forkserver, the main thread's frame in
+the main script's module code is looked up; if the statement it is running is not
+inside a ``__name__ == "__main__"`` test, a child would run it again. That DataLoader
+then forks its workers, as stock PyTorch does on Linux, and one warning names the
+script and the line (chosen over an error: the script ran before protection was on,
+and protection still bounds every decode; only the workers' start method changes).
+The check is row 6 of the decision as each DataLoader starts its workers
+(:mod:`.start_method`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import multiprocessing
+import sys
+import threading
+
+RERUN_BY_CHILDREN = ("spawn", "forkserver")
+
+
+def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, int] | None:
+    """(script, line) when the main script's module code is running a statement that a
+    spawned child would run again; None when it is guarded, finished, or not a file (or,
+    with ``imports_are_harmless``, an import: a child re-running it finds it done)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return None  # python -c, the REPL: nothing is re-run (console scripts have no .py: still checked)
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return None  # its module code has finished: a child's re-run stops short of this
+    line = frame.f_lineno
+    if _is_guarded(path, line) or (imports_are_harmless and line in _import_lines(path)):
+        return None
+    return path, line
+
+
+@functools.lru_cache(maxsize=8)
+def _script_tree(path: str) -> ast.Module | None:
+    """The script's syntax tree, read once for every question asked of it; None if unreadable."""
+    try:
+        with open(path, "rb") as source:
+            return ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _import_lines(path: str) -> frozenset[int]:
+    """Lines of the script's top-level import statements (a hook such as ours may run
+    inside one: the start-up hook enables protection as the host is imported)."""
+    tree = _script_tree(path)
+    if tree is None:
+        return frozenset()
+    return frozenset(line for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+                     for line in range(node.lineno, node.end_lineno + 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
+    """Line ranges of the script that run only as ``__main__``; None if unreadable."""
+    tree = _script_tree(path)
+    if tree is None:
+        return None
+    ranges = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            branch = _main_branch(node)
+            if branch:
+                ranges.append((branch[0].lineno, branch[-1].end_lineno))
+    return tuple(ranges)
+
+
+def _main_branch(node: ast.If) -> list | None:
+    """The branch of ``if __name__ == "__main__"`` (or ``!=``'s else) that runs as main."""
+    test = node.test
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and len(test.comparators) == 1):
+        return None
+    sides = {_name_or_text(test.left), _name_or_text(test.comparators[0])}
+    if sides != {"__name__", "'__main__'"}:
+        return None
+    if isinstance(test.ops[0], ast.Eq):
+        return node.body
+    if isinstance(test.ops[0], ast.NotEq):
+        return node.orelse
+    return None
+
+
+def _name_or_text(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return repr(node.value)
+    return None
+
+
+def _is_guarded(path: str, line: int) -> bool:
+    guards = _main_guards(path)
+    if guards is None:
+        return True  # cannot tell: leave the user's start method alone
+    return any(first <= line <= last for first, last in guards)
+
+
+# Calls a script may make at its top level and still count as only defining things: paths,
+# the environment, loggers, warning filters, typing helpers, builtin conversions (by the
+# name called).
+_DEFINING_CALLS = frozenset({
+    "Path", "resolve", "absolute", "join", "dirname", "abspath", "realpath", "basename", "expanduser",
+    "getenv", "get", "setdefault", "insert", "append", "extend",
+    "getLogger", "setLevel", "basicConfig", "filterwarnings", "simplefilter",
+    "TypeVar", "NewType", "namedtuple", "compile",
+    "str", "int", "float", "bool", "tuple", "list", "dict", "set", "frozenset",
+})
+
+
+@functools.lru_cache(maxsize=8)
+def only_imports_and_defines(path: str) -> bool:
+    """Whether importing the script runs nothing but imports and definitions: at its top
+    level only imports, functions and classes (decorated or not), docstrings, assignments
+    and calls that only make paths, read the environment, set up logging or warnings
+    (``_DEFINING_CALLS``), ``try`` and plain ``if`` blocks of the same, and what runs under
+    ``if __name__ == "__main__":``. Every spawned or forkserver child imports such a script
+    anyway; anything else (another call, a loop, a ``with``) might be training code, and it
+    is False. False too if unreadable."""
+    tree = _script_tree(path)
+    return tree is not None and _only_defines(tree.body)
+
+
+def definitions_of(path: str) -> ast.Module | None:
+    """The script's top level without what does work (see :func:`only_imports_and_defines`):
+    what a process that needs only its functions and classes runs of it. None if unreadable."""
+    tree = _script_tree(path)
+    if tree is None:
+        return None
+    # A `__name__ == "__main__"` test stays: run as __mp_main__, its main branch does not run.
+    return ast.Module(body=[node for node in tree.body if _only_defines([node])], type_ignores=[])
+
+
+def _only_defines(statements) -> bool:
+    for node in statements:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                             ast.Pass)):
+            continue
+        if isinstance(node, ast.Expr) and (isinstance(node.value, ast.Constant) or (
+                isinstance(node.value, ast.Call) and _calls_only_defining(node.value))):
+            continue  # a docstring, sys.path.insert(...), warnings.filterwarnings(...)
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            if node.value is None or _calls_only_defining(node.value):
+                continue
+            return False
+        if isinstance(node, ast.If):
+            branch = _main_branch(node)
+            if branch is not None:  # runs as __main__ only; the other branch runs in children
+                if _only_defines(node.orelse if branch is node.body else node.body):
+                    continue
+                return False
+            if _calls_only_defining(node.test) and _only_defines(node.body) and _only_defines(node.orelse):
+                continue
+            return False
+        if isinstance(node, ast.Try):
+            if (_only_defines(node.body) and all(_only_defines(handler.body) for handler in node.handlers)
+                    and _only_defines(node.orelse) and _only_defines(node.finalbody)):
+                continue
+            return False
+        return False
+    return True
+
+
+def _calls_only_defining(expression) -> bool:
+    for node in ast.walk(expression):
+        if isinstance(node, ast.Call):
+            callee = node.func
+            name = callee.attr if isinstance(callee, ast.Attribute) else getattr(callee, "id", None)
+            if name not in _DEFINING_CALLS:
+                return False
+        elif isinstance(node, (ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)):
+            return False
+    return True
+
+
+def start_method(loader) -> str:
+    context = loader.multiprocessing_context
+    if context is None:
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()
+    return context if isinstance(context, str) else context.get_start_method()
