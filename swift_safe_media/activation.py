@@ -23,7 +23,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     ``hosts`` cannot load here (checked once per run: see ``preflight``); what it had
     started by then is stopped, and the environment children inherit is as it was.
     Calling it again (with a registry known only later, say) updates the settings."""
-    from . import preflight, warm_start, watchdog, worker_start
+    from . import preflight, warm_start, watchdog, worker_respawn, worker_start
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
                  stall_timeout=stall_timeout, stall_action=stall_action, quarantine=quarantine)
@@ -46,6 +46,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     integrations.enable_hosts(hosts)
     watchdog.install()
     worker_start.install()
+    worker_respawn.install()
 
 
 _chosen_stats_dir: str | None = None
@@ -82,11 +83,12 @@ def _choose_stats_dir() -> None:
 def disable() -> None:
     """Undo what ``enable`` did here (the hosts' own loaders, DataLoader iteration without
     the watchdog), and keep children from turning protection on."""
-    from . import warm_start, watchdog
+    from . import warm_start, watchdog, worker_respawn
 
     config.put(config.ENABLED, False)
     integrations.disable_hosts()
     watchdog.uninstall()
+    worker_respawn.uninstall()
     warm_start.stop()
 
 
