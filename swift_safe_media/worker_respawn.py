@@ -141,7 +141,7 @@ class Replacing:
         self.context = context
         self.left = config.get(config.WORKER_RESTARTS)
         self.oom_before = faults.oom_kills()
-        self.killed: set[int] = set()  # worker ids the SIGCHLD handler found killed from outside
+        self.killed: dict[int, int] = {}  # worker id: pid, found killed from outside by the SIGCHLD handler
         self.resent: set[int] = set()  # task indices sent twice: the second answer is dropped
         self.resuming = False  # inside _reset's wait for every worker's _ResumeIteration
         self.replaced = 0
@@ -332,10 +332,12 @@ def get_data_replacing_workers(original, iterator, timeout=None):
     deadline = time.monotonic() + timeout
     while True:
         while state.killed:
-            worker_id = state.killed.pop()
-            why = state.verdict(iterator, worker_id, _killed_by(iterator._workers[worker_id]))
-            if why is not None:
-                state.replace(iterator, worker_id, why)
+            worker_id, pid = state.killed.popitem()
+            worker = iterator._workers[worker_id]
+            if worker.pid == pid and worker.exitcode is not None:  # not replaced yet
+                why = state.verdict(iterator, worker_id, _killed_by(worker))
+                if why is not None:
+                    state.replace(iterator, worker_id, why)
         was_active = list(iterator._workers_status)
         try:
             got, data = original(iterator, max(0.0, deadline - time.monotonic()))
@@ -374,5 +376,5 @@ def _note_killed(iterator, state) -> None:
         if info is None or info.si_code not in (os.CLD_KILLED, os.CLD_DUMPED):
             continue
         if state.verdict(iterator, worker_id, info.si_status) is not None:
-            worker.join(0)  # reaped: torch's check skips it; replaced at the next _try_get_data
-            state.killed.add(worker_id)
+            worker._popen.poll(os.WNOHANG)  # reaped (its returncode set): torch's check skips it
+            state.killed[worker_id] = worker.pid  # replaced at the next _try_get_data
