@@ -27,8 +27,8 @@ def assert_nothing_left(result: dict) -> None:
     assert wait_until_dead(pids, within=10) == {}
 
 
-@pytest.mark.parametrize("options", [("fork", "map"), ("forkserver", "map"), ("fork", "map", "persistent")],
-                         ids=["fork", "forkserver", "fork-persistent"])
+@pytest.mark.parametrize("options", [("fork", "map"), ("forkserver", "map"), ("fork", "map", "persistent", "pin")],
+                         ids=["fork", "forkserver", "fork-persistent-pin-thread"])
 def test_killed_workers_are_replaced_and_the_epoch_keeps_its_batches_and_order(options):
     result, err = killed_workers_run(*options)
     undisturbed, disturbed = result["undisturbed"], result["disturbed"]
@@ -41,6 +41,7 @@ def test_killed_workers_are_replaced_and_the_epoch_keeps_its_batches_and_order(o
     assert "samples sent to it again" in err
     assert not set(disturbed["pids"]) & {kill["pid"] for kill in disturbed["killed"]}
     assert result["summary"]["workers_replaced"] == 2
+    assert disturbed["pin_thread"] == ("pin" in options)
     assert_nothing_left(result)
 
 

@@ -46,6 +46,21 @@ def holding_tasks(batches, planned: int) -> tuple[int, int]:
     return worker, held[worker]
 
 
+def pin_thread_without_an_accelerator() -> None:
+    """No GPU here: torch's accelerator calls are stood in for, so that torch's pin-memory
+    thread runs (it hands each result from the workers' queue to the trainer's), pinning
+    nothing."""
+    if torch.accelerator.is_available():
+        return
+    from torch.utils.data._utils import pin_memory
+
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.current_accelerator = lambda *args, **kwargs: None
+    torch.accelerator.current_device_index = lambda: 0
+    torch.accelerator.set_device_index = lambda index: None
+    pin_memory.pin_memory = lambda data, device=None: data
+
+
 def loader_of(context: str, kind: str, options) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         Items() if kind == "map" else Stream(), batch_size=2, num_workers=2, multiprocessing_context=context,
@@ -65,12 +80,15 @@ def epoch(loader, kills: dict) -> dict:
                 killed.append({"pid": pid, "worker": worker_id, "outstanding": outstanding})
     except RuntimeError as exc:
         error = str(exc)
-    return {"batches": out, "killed": killed, "error": error, "pids": [worker.pid for worker in batches._workers]}
+    return {"batches": out, "killed": killed, "error": error, "pids": [worker.pid for worker in batches._workers],
+            "pin_thread": getattr(batches, "_pin_memory_thread", None) is not None}
 
 
 def main() -> None:
     context, kind, options = sys.argv[1], sys.argv[2], sys.argv[3:]
     swift_safe_media.enable()
+    if "pin" in options:
+        pin_thread_without_an_accelerator()
     # With persistent workers the kills come in a second epoch of the same loader (the
     # workers kept from the first), compared with a second epoch undisturbed.
     epochs = 2 if "persistent" in options else 1
