@@ -20,7 +20,6 @@ See docs/never-silent.md#dataloader-workers-killed-from-outside (and its residua
 
 from __future__ import annotations
 
-import collections
 import logging
 import multiprocessing
 import os
@@ -29,6 +28,7 @@ import time
 import weakref
 
 from . import config, faults, summary, worker_liveness
+from .worker_queues import UNREADABLE, SentIndices, Unreadable
 from .integrations import _imports
 from .integrations._patching import Patches, Target
 
@@ -36,6 +36,7 @@ log = logging.getLogger("swift_safe_media")
 
 DATALOADER = "torch.utils.data.dataloader"
 SIGNAL_HANDLING = "torch.utils.data._utils.signal_handling"
+PIN_MEMORY = "torch.utils.data._utils.pin_memory"
 _HERE = "swift_safe_media.worker_respawn"
 _ITERATOR = "_MultiProcessingDataLoaderIter"
 TARGETS = (
@@ -43,6 +44,7 @@ TARGETS = (
     Target(DATALOADER, f"{_ITERATOR}._try_get_data", f"{_HERE}:get_data_replacing_workers"),
     # torch's SIGCHLD handler looks this name up in its module each time it runs.
     Target(SIGNAL_HANDLING, "_error_if_any_worker_fails", f"{_HERE}:error_if_a_worker_failed_for_good"),
+    Target(PIN_MEMORY, "_pin_memory_loop", "swift_safe_media.worker_queues:pin_memory_loop_handing_on_unreadable_results"),
 )
 PATCHES = Patches(("torch.utils.data",), TARGETS, {})
 STATE = "_swift_safe_media_replacing"  # the iterator's attribute holding its Replacing
@@ -86,28 +88,6 @@ def _say_once(key: str, level: int, message: str, *args) -> None:
         log.log(level, message, *args)
 
 
-class SentIndices:
-    """An index queue whose ``put`` remembers the tasks it sent and the worker has not
-    answered yet (``pending``), to send them again to the worker's replacement."""
-
-    def __init__(self, queue, iterator):
-        self.queue, self._iterator = queue, weakref.ref(iterator)  # no cycle: torch shuts workers down in __del__
-        self.pending: collections.deque = collections.deque()  # (task index, sampler index), in order
-
-    def put(self, item, *args, **kwargs):
-        if type(item) is tuple:  # a task: (send_idx, index); None and _ResumeIteration are not
-            iterator = self._iterator()
-            if iterator is not None:
-                answered = iterator._task_info
-                while self.pending and len(answered.get(self.pending[0][0], ())) != 1:
-                    self.pending.popleft()  # its result arrived
-            self.pending.append(item)
-        return self.queue.put(item, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.queue, name)
-
-
 def _unknown_internals(iterator, worker_loop) -> str | None:
     """Why this iterator's internals are not the ones this module knows, or None."""
     import inspect
@@ -144,7 +124,7 @@ class Replacing:
         self.killed: dict[int, int] = {}  # worker id: pid, found killed from outside by the SIGCHLD handler
         self.resent: set[int] = set()  # task indices sent twice: the second answer is dropped
         self.resuming = False  # inside _reset's wait for every worker's _ResumeIteration
-        self.replaced = 0
+        self.replaced = self.unreadable = 0  # workers replaced; their results that could not be read
 
     def verdict(self, iterator, worker_id: int, signal_number: int | None) -> str | None:
         """Why worker ``worker_id`` (killed by ``signal_number``; None: exit status unknown)
@@ -244,6 +224,23 @@ class Replacing:
             self.replace(iterator, worker_id, why)
         return True
 
+    def lost_result(self, iterator, was_active) -> bool:
+        """After a result could not be read: whether it was a killed worker's (each had at most
+        ``prefetch_factor`` tasks, all sent again to its replacement)."""
+        if self.replace_dead(iterator, was_active):
+            return True
+        if self.unreadable < self.replaced * iterator._prefetch_factor:
+            self.unreadable += 1
+            return True
+        # A dying worker's files (the connection its result needed) close some time before it
+        # can be waited for (its memory is torn down first).
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            if self.replace_dead(iterator, was_active):
+                return True
+        return False
+
     def stale(self, iterator, data) -> bool:
         """Whether ``data`` (task index, result) is a second answer to a task sent again, or a
         replaced worker's acknowledgement of a resume already counted."""
@@ -328,7 +325,7 @@ def get_data_replacing_workers(original, iterator, timeout=None):
 
         timeout = _utils.MP_STATUS_CHECK_INTERVAL
     if state is None:
-        return original(iterator, timeout)
+        return _read(original(iterator, timeout))
     deadline = time.monotonic() + timeout
     while True:
         while state.killed:
@@ -340,9 +337,13 @@ def get_data_replacing_workers(original, iterator, timeout=None):
                     state.replace(iterator, worker_id, why)
         was_active = list(iterator._workers_status)
         try:
-            got, data = original(iterator, max(0.0, deadline - time.monotonic()))
+            got, data = _read(original(iterator, max(0.0, deadline - time.monotonic())))
         except RuntimeError:
             if not state.replace_dead(iterator, was_active):
+                raise
+            got, data = False, None
+        except UNREADABLE:
+            if not state.lost_result(iterator, was_active):
                 raise
             got, data = False, None
         else:
@@ -350,6 +351,13 @@ def get_data_replacing_workers(original, iterator, timeout=None):
                 return got, data
         if time.monotonic() >= deadline:
             return False, None
+
+
+def _read(answer):
+    got, data = answer
+    if got and type(data[1]) is Unreadable:
+        raise data[1].error
+    return answer
 
 
 def error_if_a_worker_failed_for_good():

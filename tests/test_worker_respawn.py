@@ -27,8 +27,12 @@ def assert_nothing_left(result: dict) -> None:
     assert wait_until_dead(pids, within=10) == {}
 
 
-@pytest.mark.parametrize("options", [("fork", "map"), ("forkserver", "map"), ("fork", "map", "persistent", "pin")],
-                         ids=["fork", "forkserver", "fork-persistent-pin-thread"])
+# "sent": each worker is killed once its results are in the queue, unread (their tensors'
+# file descriptors, fetched from the sender as a result is read, go with it).
+@pytest.mark.parametrize("options", [("fork", "map"), ("forkserver", "map"), ("fork", "map", "persistent", "pin"),
+                                     ("fork", "map", "sent"), ("forkserver", "map", "pin", "sent")],
+                         ids=["fork", "forkserver", "fork-persistent-pin-thread", "fork-results-sent",
+                              "forkserver-pin-thread-results-sent"])
 def test_killed_workers_are_replaced_and_the_epoch_keeps_its_batches_and_order(options):
     result, err = killed_workers_run(*options)
     undisturbed, disturbed = result["undisturbed"], result["disturbed"]

@@ -1,7 +1,8 @@
 """DataLoader workers SIGKILLed from outside while they hold outstanding tasks (issue 35):
-``python -m tests.programs.worker_killed CONTEXT KIND [pin] [persistent]`` (CONTEXT: fork,
+``python -m tests.programs.worker_killed CONTEXT KIND [pin] [persistent] [sent]`` (CONTEXT: fork,
 forkserver; KIND: map, iterable) runs one epoch undisturbed and one in which worker 0, then
-worker 1, are killed, each holding outstanding tasks (with ``persistent``: the same loader's second epoch, its workers
+worker 1, are killed, each holding outstanding tasks (with ``sent``: once their results
+are sent, not yet read; with ``persistent``: the same loader's second epoch, its workers
 kept), and prints one JSON object: both epochs' batches, what was killed, the error if the
 epoch ended, and the run summary."""
 
@@ -75,6 +76,8 @@ def epoch(loader, kills: dict) -> dict:
             out.append(batch.tolist())
             if number in kills:
                 worker_id, outstanding = holding_tasks(batches, kills[number])
+                if "sent" in sys.argv:  # killed once its results are in the queue, not yet read
+                    time.sleep(0.5)
                 pid = batches._workers[worker_id].pid
                 os.kill(pid, signal.SIGKILL)
                 killed.append({"pid": pid, "worker": worker_id, "outstanding": outstanding})
