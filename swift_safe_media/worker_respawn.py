@@ -44,7 +44,8 @@ TARGETS = (
     Target(DATALOADER, f"{_ITERATOR}._try_get_data", f"{_HERE}:get_data_replacing_workers"),
     # torch's SIGCHLD handler looks this name up in its module each time it runs.
     Target(SIGNAL_HANDLING, "_error_if_any_worker_fails", f"{_HERE}:error_if_a_worker_failed_for_good"),
-    Target(PIN_MEMORY, "_pin_memory_loop", "swift_safe_media.worker_queues:pin_memory_loop_handing_on_unreadable_results"),
+    Target(PIN_MEMORY, "_pin_memory_loop",
+           "swift_safe_media.worker_queues:pin_memory_loop_handing_on_unreadable_results"),
 )
 PATCHES = Patches(("torch.utils.data",), TARGETS, {})
 STATE = "_swift_safe_media_replacing"  # the iterator's attribute holding its Replacing
@@ -220,9 +221,15 @@ class Replacing:
                     for worker_id in dead}
         if not dead or None in verdicts.values():
             return False
-        for worker_id, why in verdicts.items():
+        return all(self.replace_failing_open(iterator, worker_id, why) for worker_id, why in verdicts.items())
+
+    def replace_failing_open(self, iterator, worker_id: int, why: str) -> bool:
+        try:
             self.replace(iterator, worker_id, why)
-        return True
+            return True
+        except Exception:  # torch's own error stands
+            log.exception("swift_safe_media: could not replace DataLoader worker %d", worker_id)
+            return False
 
     def lost_result(self, iterator, was_active) -> bool:
         """After a result could not be read: whether it was a killed worker's (each had at most
@@ -334,7 +341,7 @@ def get_data_replacing_workers(original, iterator, timeout=None):
             if worker.pid == pid and worker.exitcode is not None:  # not replaced yet
                 why = state.verdict(iterator, worker_id, _killed_by(worker))
                 if why is not None:
-                    state.replace(iterator, worker_id, why)
+                    state.replace_failing_open(iterator, worker_id, why)  # else torch finds it dead
         was_active = list(iterator._workers_status)
         try:
             got, data = _read(original(iterator, max(0.0, deadline - time.monotonic())))
