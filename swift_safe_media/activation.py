@@ -26,7 +26,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     started by then is stopped, and the environment children inherit is as it was.
     Calling it again (with a registry known only later, say) updates the settings."""
     from .checks import preflight
-    from .workers import forkserver as warm_start, start as worker_start
+    from .workers import forkserver as warm_start, respawn as worker_respawn, start as worker_start
     from .records import watchdog
 
     config.write(timeout=timeout, max_memory_mb=max_memory_mb, mp_context=mp_context,
@@ -50,6 +50,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     integrations.enable_hosts(hosts)
     watchdog.install()
     worker_start.install()
+    worker_respawn.install()
 
 
 _chosen_stats_dir: str | None = None
@@ -85,14 +86,15 @@ def _choose_stats_dir() -> None:
 
 def disable() -> None:
     """Undo what ``enable`` did here (the hosts' own loaders, torch's own DataLoader: how
-    its workers start, its iteration without the watchdog), and keep children from turning
-    protection on."""
-    from .workers import forkserver as warm_start, start as worker_start
+    its workers start, its iteration without the watchdog, its workers left dead when
+    killed), and keep children from turning protection on."""
+    from .workers import forkserver as warm_start, respawn as worker_respawn, start as worker_start
     from .records import watchdog
 
     config.put(config.ENABLED, False)
     integrations.disable_hosts()
     watchdog.uninstall()
+    worker_respawn.uninstall()
     worker_start.uninstall()  # torch's DataLoader is torch's own again
     warm_start.stop()
 

@@ -105,6 +105,9 @@ TIMEOUT_CEILING = _declare("SWIFT_SAFE_MEDIA_TIMEOUT_CEILING", FLOAT, 5.0,
                            "waited for a CPU is added to it", minimum=1.0)
 MACHINE_RETRIES = _declare("SWIFT_SAFE_MEDIA_MACHINE_RETRIES", INT, 2,
                            "fresh sandboxes a call tries after a machine fault", minimum=0)
+WORKER_RESTARTS = _declare("SWIFT_SAFE_MEDIA_WORKER_RESTARTS", INT, 3,
+                           "DataLoader workers killed from outside that a DataLoader iterator replaces",
+                           minimum=0)
 MAX_MEMORY_MB = _declare("SWIFT_SAFE_MEDIA_MAX_MEMORY_MB", INT, default_max_memory_mb,
                          "address space a sandbox may add; 0: no cap", minimum=0)
 THREADS = _declare("SWIFT_SAFE_MEDIA_THREADS", INT, decode_thread_budget,

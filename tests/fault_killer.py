@@ -1,5 +1,6 @@
 """A killer thread for the machine-fault tests of real training runs (issue 35): it
-SIGKILLs sandboxes, zygotes and the warm forkserver of a run while decodes are in flight."""
+SIGKILLs sandboxes, zygotes, DataLoader workers and the warm forkserver of a run while
+decodes are in flight."""
 
 import os
 import threading
@@ -55,7 +56,8 @@ def session_of(marker: str) -> int | None:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs, ``gap`` s apart, what ``plan`` names (sandbox, zygote, forkserver) among the
+    """SIGKILLs, ``gap`` s apart, what ``plan`` names (sandbox, zygote, forkserver, worker: a
+    DataLoader worker the warm forkserver started) among the
     descendants of the process whose command line names ``marker``, each while one of its
     sandboxes runs (a decode in flight); ``killed`` says what it hit, ``seen`` every
     sandbox, zygote and forkserver it saw. Stops when ``done`` is set."""

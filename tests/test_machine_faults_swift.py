@@ -1,7 +1,8 @@
 """Machine faults during a real `swift sft` (ms-swift, CPU, a tiny random Qwen2.5-Omni, two
 DataLoader workers from the warm forkserver, the rank's shared zygote), over valid clips
-only, while the test SIGKILLs its sandboxes mid-decode, its shared zygote and its warm
-forkserver: every step finishes, no sample is skipped or substituted, nothing is
+only, while the test SIGKILLs its sandboxes mid-decode, its shared zygote, a DataLoader
+worker mid-decode and its warm forkserver: every step finishes, no sample is skipped or
+substituted (the killed worker is replaced and its samples sent again), nothing is
 quarantined, the summary counts the machine faults, and nothing is left running."""
 
 import pytest
@@ -20,7 +21,9 @@ RUN_TIMEOUT = 420
 # What the killer hits, in order, GAP s apart, each while a sandbox decodes. The decodes of
 # this run bunch in its first seconds (the workers prefetch), so a fast machine may end the
 # run before the plan does: the first MUST_HIT kills must land, the rest as time allows.
-PLAN = ("sandbox", "zygote", "sandbox", "forkserver", "sandbox", "sandbox")
+# A worker killed after the forkserver would be one the new forkserver started for a
+# replacement, if any: the old ones are orphans, no longer the run's descendants.
+PLAN = ("sandbox", "zygote", "worker", "forkserver", "sandbox", "worker", "sandbox")
 MUST_HIT = 4
 GAP = 0.3
 
@@ -57,6 +60,8 @@ def test_kills_of_sandboxes_the_shared_zygote_and_the_forkserver_cost_no_sample(
     assert code == 0, log[-4000:]
     assert scenario.steps(log) == (ROWS, ROWS), log[-4000:]
     assert killer.killed[:MUST_HIT] == list(PLAN[:MUST_HIT]), (killer.killed, log[-3000:])
+    # Each worker killed was replaced, its outstanding samples sent to the new one.
+    assert log.count("a machine fault, not the data's; replaced by pid") == killer.killed.count("worker"), log[-4000:]
     assert scenario.skipped(log) == {}, scenario.skipped(log)  # every sample decoded, none substituted
     folder = scenario.run_folder(output_dir)
     assert scenario.registry_entries(folder / "quarantine.jsonl") == []

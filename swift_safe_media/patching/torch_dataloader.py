@@ -3,9 +3,10 @@ applied once torch's ``torch.utils.data.dataloader`` is imported (now, if it is)
 restored exactly by ``disable()``.
 
 The rows come in groups, each patched while what it serves is on: ``worker start`` (how
-the workers start, :mod:`..workers.start`, whenever protection is on) and ``stall
-watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`, only while a
-stall timeout is set).
+the workers start, :mod:`..workers.start`, whenever protection is on), ``worker restart``
+(a worker killed from outside is replaced, :mod:`..workers.respawn`, whenever protection
+is on) and ``stall watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`,
+only while a stall timeout is set).
 """
 
 from __future__ import annotations
@@ -17,10 +18,21 @@ from .targets import Patches, Target
 
 MODULE = "torch.utils.data.dataloader"
 SCOPE = ("torch.utils.data",)
+_RESPAWN = "swift_safe_media.workers.respawn"
+_ITERATOR = "_MultiProcessingDataLoaderIter"
 
 TARGETS = {
     "worker start": (
         Target(MODULE, "DataLoader._get_iterator", "swift_safe_media.workers.start:get_iterator_deciding_start"),
+    ),
+    "worker restart": (
+        Target(MODULE, f"{_ITERATOR}._reset", f"{_RESPAWN}:reset_remembering_indices"),
+        Target(MODULE, f"{_ITERATOR}._try_get_data", f"{_RESPAWN}:get_data_replacing_workers"),
+        # torch's SIGCHLD handler looks this name up in its module each time it runs.
+        Target("torch.utils.data._utils.signal_handling", "_error_if_any_worker_fails",
+               f"{_RESPAWN}:error_if_a_worker_failed_for_good"),
+        Target("torch.utils.data._utils.pin_memory", "_pin_memory_loop",
+               "swift_safe_media.workers.queues:pin_memory_loop_handing_on_unreadable_results"),
     ),
     "stall watch": (
         Target(MODULE, "_BaseDataLoaderIter.__next__", "swift_safe_media.records.watchdog:next_watched"),

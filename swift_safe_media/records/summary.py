@@ -30,7 +30,7 @@ log = logging.getLogger("swift_safe_media")
 # "machine": a machine fault retried in a fresh sandbox; "machine_skipped": one that failed
 # its retries too, so the sample was skipped (neither is the file's, neither quarantines)
 OUTCOMES = ("ok", "timeout", "crash", "quarantined", "error", "machine", "machine_skipped")
-FAILURES = ("timeout", "crash", "quarantined", "error", "machine", "machine_skipped")
+FAILURES = ("timeout", "crash", "quarantined", "error", "machine", "machine_skipped", "workers_replaced")
 _SAMPLE_SIZE = 4096  # latencies kept per process (reservoir), enough for p99
 _SLOWEST = 10  # files listed in the summary
 # Files each process keeps for that list, by worst time: a bounded table, since a dataset
@@ -52,6 +52,7 @@ class Recorder:
         self.slow_files: dict[str, list] = {}  # path: [worst elapsed, its outcome, decodes]
         self.step: int | None = None  # in a trainer process: the training step reached
         self.rows_failed = 0  # rows (requests) a command answered or left out for their media
+        self.workers_replaced = 0  # DataLoader workers killed from outside and replaced (machine faults)
         self.last_flush = 0.0
         self._pending: threading.Timer | None = None
         self._lock = threading.Lock()
@@ -117,6 +118,11 @@ class Recorder:
             self.rows_failed += 1
             self._flush()
 
+    def note_worker_replaced(self) -> None:
+        with self._lock:
+            self.workers_replaced += 1
+            self._flush()
+
     def flush(self) -> None:
         with self._lock:
             self._flush()
@@ -124,7 +130,7 @@ class Recorder:
     def _flush(self) -> None:
         self.last_flush = time.monotonic()
         state = {"pid": os.getpid(), "counts": self.counts, "seen": self.seen, "latencies": self.latencies,
-                 "rows_failed": self.rows_failed,
+                 "rows_failed": self.rows_failed, "workers_replaced": self.workers_replaced,
                  "slow_files": {path: list(kept) for path, kept in self.slow_files.items()}}
         if self.step is not None:
             state.update(rank=process.rank(), step=self.step)
@@ -189,6 +195,7 @@ def collect(directory: str | None = None) -> dict:
     flush()
     directory = directory or config.get(STATS_DIR)
     counts, latencies, processes, steps, rows_failed = dict.fromkeys(OUTCOMES, 0), [], 0, {}, 0
+    workers_replaced = 0
     slow_files: dict[str, list] = {}  # path: [worst elapsed, its outcome, decodes], over processes
     for name in sorted(os.listdir(directory)) if directory and os.path.isdir(directory) else []:
         if not (name.startswith("stats-") and name.endswith(".json")):
@@ -203,6 +210,7 @@ def collect(directory: str | None = None) -> dict:
             counts[outcome] += state["counts"].get(outcome, 0)
         latencies += state["latencies"]
         rows_failed += state.get("rows_failed", 0)
+        workers_replaced += state.get("workers_replaced", 0)
         for path, (elapsed, outcome, decodes) in state.get("slow_files", {}).items():
             merged = slow_files.setdefault(path, [elapsed, outcome, 0])
             merged[2] += decodes
@@ -210,7 +218,8 @@ def collect(directory: str | None = None) -> dict:
                 merged[0], merged[1] = elapsed, outcome
         if "step" in state:
             steps[str(state["rank"])] = max(state["step"], steps.get(str(state["rank"]), 0))
-    return {"decodes": sum(counts.values()), **counts, "rows_failed": rows_failed, "processes": processes,
+    return {"decodes": sum(counts.values()), **counts, "rows_failed": rows_failed,
+            "workers_replaced": workers_replaced, "processes": processes,
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99),
             # Each file once: its worst decode (time and outcome) and how many decodes it had.
             "slowest": [{"path": path, "elapsed_s": round(elapsed, 3), "outcome": outcome, "count": decodes}
@@ -224,7 +233,8 @@ def format_summary(summary: dict, step=None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
 
     head = "swift_safe_media summary" + (f" at step {step}" if step is not None else "")
-    machine = summary.get("machine", 0) + summary.get("machine_skipped", 0)
+    # A DataLoader worker killed from outside and replaced is a machine fault too.
+    machine = summary.get("machine", 0) + summary.get("machine_skipped", 0) + summary.get("workers_replaced", 0)
     lines = [f"{head}: {summary['decodes']} decodes, {summary['ok']} ok, {summary['timeout']} timeouts, "
              f"{summary['crash']} crashes, {summary['quarantined']} quarantined, {summary['error']} errors, "
              f"{machine} machine faults ({summary.get('machine_skipped', 0)} samples skipped); "

@@ -6,6 +6,7 @@ workers come from a new forkserver, gave; each item a decode in a sandbox."""
 import json
 import os
 import signal
+import sys
 import time
 
 import torch.utils.data
@@ -19,20 +20,25 @@ def double(value):
 
 
 class Slow(torch.utils.data.Dataset):
+    def __init__(self, slow_item: bool = False):
+        self.slow_item = slow_item
+
     def __len__(self):
         return 12
 
     def __getitem__(self, index):
-        time.sleep(0.2)  # the epoch is still running when the forkserver is killed
+        # The epoch is still running when the forkserver is killed; item 6 takes longer than
+        # torch's worker status check (5 s), which then finds the workers of a dead forkserver.
+        time.sleep(6 if index == 6 and self.slow_item else 0.2)
         return call(double, index, path=f"/data/item{index}.mp4")
 
 
-def main() -> None:
+def main(slow_item: bool) -> None:
     swift_safe_media.enable()
     from multiprocessing import forkserver
 
-    loaders = [torch.utils.data.DataLoader(Slow(), batch_size=None, num_workers=2, multiprocessing_context="forkserver")
-               for _ in range(2)]
+    loaders = [torch.utils.data.DataLoader(Slow(slow_item and epoch == 0), batch_size=None, num_workers=2,
+                                           multiprocessing_context="forkserver") for epoch in range(2)]
     first, killed = [], None
     for index, item in enumerate(loaders[0]):
         first.append(item)
@@ -45,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main("slow" in sys.argv[1:])
