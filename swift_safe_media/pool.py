@@ -23,7 +23,7 @@ import select
 import threading
 import time
 
-from . import config, confine, faults, process, transport
+from . import config, confine, faults, process, reply_unpickler, transport
 from .errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
 from .faults import describe_status
 from .shared_zygote import shared_address
@@ -75,8 +75,7 @@ class Engine:
         self._idle: list[SandboxHandle] = []
         self._busy = 0
         self._closed = False
-        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0,
-                      "last_kill_to_ready_s": None}
+        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0, "last_kill_to_ready_s": None}
         self._oom_kills = faults.oom_kills()  # the OOM killer's counters, as last read
 
     # -- pool ---------------------------------------------------------------------
@@ -290,9 +289,11 @@ class Engine:
                                              f"sandbox pid {box.pid} was killed", time.monotonic() - clock.started)
             error.ambiguous = clock.capped  # cut short by the ceiling: the machine may be to blame
             raise error from None
-        except (EOFError, ConnectionError) as exc:
+        except (EOFError, ConnectionError, reply_unpickler.RefusedReply) as exc:
             self.stats["crashes"] += 1
             status, peak_kib = self._replace(box)
+            if isinstance(exc, reply_unpickler.RefusedReply):  # maybe hostile: nothing of it runs here
+                raise exc.error(path, box.pid, time.monotonic() - clock.started) from None
             counters = faults.oom_kills()
             oom, self._oom_kills = faults.risen(self._oom_kills, counters), counters
             raise faults.crash_error(box.pid, status, peak_kib, oom, path, time.monotonic() - clock.started) from exc

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 
-from . import handed, pickling
+from . import handed, pickling, reply_unpickler
 
 # kind, pickle length, buffer count, memfd bytes used, arena block id (0: not lent)
 _HEADER = struct.Struct("!BQIQQ")
@@ -199,9 +199,11 @@ def send_encoded(sock: socket.socket, message: bytes, fd: int, owned: bool,
             os.close(fd)
 
 
-def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle.Unpickler,
+def receive(sock: socket.socket, deadline: float | None = None, unpickler=reply_unpickler.ReplyUnpickler,
             blocks: MappedBlocks | None = None):
     """Return ``(kind, obj)``. EOFError when the peer is gone, TimeoutError past the deadline.
+    A peer's bytes are unpickled with the allow-list of :mod:`.reply_unpickler` (a refused
+    message raises its RefusedReply) unless the receiver trusts the peer and says so.
 
     Buffers lent from the peer's arena are viewed through ``blocks``, which learns when
     nothing views them any more."""
