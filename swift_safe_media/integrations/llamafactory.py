@@ -8,6 +8,7 @@ the workers' start method, the run summary and the ``safe_media*`` settings.
   sample whose media fail at collation is replaced by another of its batch;
 - :mod:`.llamafactory_workers`: the workers' start method (the warm forkserver) and the
   collator as a worker receives it (its model as a meta copy);
+- :mod:`.llamafactory_map`: the preprocessing ``map`` processes from the warm forkserver;
 - here: the protocol of :mod:`swift_safe_media.integrations`, the settings and the summary
   callback.
 
@@ -30,6 +31,7 @@ from .. import config, engine, process, summary
 from . import env_state, flags, installed_version
 from ._patching import Patcher, Patches, Target, original_of
 from .llamafactory_decode import MM_PLUGIN, import_llamafactory_in_sandbox
+from .llamafactory_map import DATASETS_MANAGER_MODULE, DATASETS_MAP_MODULE
 from .llamafactory_workers import worker_start_method  # noqa: F401 (protocol)
 
 HOST = "llamafactory"
@@ -66,6 +68,10 @@ TARGETS = (
     Target(COLLATOR, "MultiModalDataCollatorForSeq2Seq.__getstate__",
            "swift_safe_media.integrations.llamafactory_workers:collator_state_for_workers", only_if_missing=True),
     Target(TUNER, "_training_function", "training_function_with_summary"),
+    # The preprocessing map's processes start from the warm forkserver (llamafactory_map).
+    *(Target(module, name, f"swift_safe_media.integrations.llamafactory_map:{stand_in}")
+      for module, name, stand_in in ((DATASETS_MAP_MODULE, "Pool", "map_pool"),
+                                     (DATASETS_MANAGER_MODULE, "Manager", "map_manager"))),
 )
 
 
@@ -94,8 +100,10 @@ def training_function_with_summary(*args, **kwargs) -> None:
     return original_of(sys.modules[TUNER]._training_function)(*args, **kwargs)
 
 
-PATCHES = Patches(("llamafactory.",), TARGETS, globals())
-TRIGGER_MODULES = PATCHES.modules
+PATCHES = Patches(("llamafactory.", "datasets."), TARGETS, globals())
+# LLaMA-Factory's own modules only: importing datasets (an ms-swift run, say) patches nothing;
+# LLaMA-Factory imports datasets before the modules that trigger.
+TRIGGER_MODULES = tuple(name for name in PATCHES.modules if name.startswith("llamafactory."))
 is_patched, patched_sites = PATCHES.is_patched, PATCHES.sites
 
 
