@@ -96,7 +96,8 @@ def main():
               + ", ".join(f"{seconds:.3f} s" for seconds in per_map))
     warm = [seconds for seconds, _ in times["forkserver"]]
     stock = [seconds for seconds, _ in times["fork"]]
-    print(f"ratio warm forkserver / stock fork (median get_dataset): {statistics.median(warm) / statistics.median(stock):.3f}")
+    ratio = statistics.median(warm) / statistics.median(stock)
+    print(f"ratio warm forkserver / stock fork (median get_dataset): {ratio:.3f}")
     pairs = [sum(w) / sum(s) for (_, w), (_, s) in zip(times["forkserver"], times["fork"])]
     print(f"ratio of the maps' wall time, median of {len(pairs)} paired rounds: {statistics.median(pairs):.3f} "
           f"(quartiles {', '.join(f'{q:.3f}' for q in statistics.quantiles(pairs, n=4))})")

@@ -76,7 +76,8 @@ def _reconstruct(subtype, shape, dtype):
 
 # (module, name) -> what a reply gets in its place.
 _INSTEAD = {("numpy", "ndarray"): _NdarrayType,
-            **{(module, "_reconstruct"): _reconstruct for module in ("numpy._core.multiarray", "numpy.core.multiarray")}}
+            **{(module, "_reconstruct"): _reconstruct
+               for module in ("numpy._core.multiarray", "numpy.core.multiarray")}}
 
 
 class RefusedReply(pickle.UnpicklingError):

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(300)
 REFUSED = {"os.system": "os.system", "posix.system": "posix.system", "subprocess.Popen": "subprocess.Popen",
            "builtins.eval": "builtins.eval",
            "an allowed module's pickle.loads": "swift_safe_media.pickling.pickle.loads",
-           "an allowed module's os.system": "swift_safe_media.handed.os.system", "an error reply's exception": "os.system"}
+           "an allowed module's os.system": "swift_safe_media.handed.os.system",
+           "an error reply's exception": "os.system"}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,8 @@ def test_what_replies_are_made_of_comes_back_unchanged():
     info = VideoInfo(num_frames=2, fps=25.0, duration=0.08, width=6, height=4)
     error = MediaDecodeError("clip.mp4", "decode failed: bad header", 0.5)
     error.fault = "machine"
-    reply = {"frames": frames, "strided": frames.transpose(0, 3, 1, 2), "tensor": torch.ones(2, 3, dtype=torch.bfloat16),
+    reply = {"frames": frames, "strided": frames.transpose(0, 3, 1, 2),
+             "tensor": torch.ones(2, 3, dtype=torch.bfloat16),
              "image": Image.fromarray(frames[0]), "info": info, "error": error, "objects": np.array([1, "a"], object),
              "scalars": (np.float32(1.5), 3, 2.5, "s", b"b", None, True), "shape": torch.Size([2, 3])}
     back = _through(reply)

@@ -96,7 +96,9 @@ def _caller():
 def _map_function(frame):
     """The function (with its keyword arguments) that ``Dataset.map`` in ``frame`` maps, if
     it is LLaMA-Factory's; else None."""
-    if frame is None or frame.f_code.co_name != "map" or not frame.f_globals.get("__name__", "").startswith("datasets."):
+    if frame is None or frame.f_code.co_name != "map":
+        return None
+    if not frame.f_globals.get("__name__", "").startswith("datasets."):
         return None
     scope = frame.f_locals
     function = scope.get("function")
