@@ -21,13 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[0] = str(REPO)  # not bench/, whose llamafactory.py would shadow the package
 
-from tests import llamafactory_scenario as scenario  # noqa: E402
+# The top level only imports and defines: the warm forkserver imports this script once, as
+# it imports a training script, instead of every map process importing it.
 
 
 def main():
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)  # not bench/: its llamafactory.py
+    from tests import llamafactory_scenario as scenario
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rows", type=int, default=48)
@@ -45,6 +47,7 @@ def main():
     good = [path for name, path in sorted(media.items()) if name.startswith(("good_", "tone_"))]
     scenario.build_dataset(folder, [good[index % len(good)] for index in range(args.rows)], "bench")
 
+    import llamafactory  # noqa: F401  (before enable(), as the CLI: the warm forkserver preloads its modules)
     import swift_safe_media
     from swift_safe_media import config
 

@@ -110,11 +110,20 @@ def _map_function(frame):
     return function, scope.get("fn_kwargs")
 
 
+def _start_method_named() -> bool:
+    """Whether multiprocess's start method was set to another than its default. Not
+    ``get_start_method(allow_none=True)``: any earlier use of its default context (another
+    map's pool) sets that too. Naming the default itself cannot be told from such a use."""
+    from multiprocess import context
+
+    default = context._default_context
+    actual = getattr(default, "_actual_context", None)
+    return actual is not None and actual is not default._default_context
+
+
 def _why_not_forkserver(mapped) -> str | None:
     """Why these map processes must not start from the warm forkserver, or None."""
-    import multiprocess
-
-    if config.mp_context() != warm_start.FORKSERVER or multiprocess.get_start_method(allow_none=True) is not None:
+    if config.mp_context() != warm_start.FORKSERVER or _start_method_named():
         return _QUIET
     if process.current().forkserver_environment is None:
         return "the warm forkserver is not running (or not ours)"
