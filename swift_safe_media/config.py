@@ -130,6 +130,9 @@ SANDBOX_ENV = _declare("SWIFT_SAFE_MEDIA_SANDBOX_ENV", LIST, "",
                        "more environment variables zygote and sandboxes keep (they start from an allow-list: "
                        "locale, thread and FFmpeg variables, the hosts' decode settings; never the trainer's "
                        "tokens)")
+REPLY_GLOBALS = _declare("SWIFT_SAFE_MEDIA_REPLY_GLOBALS", LIST, "",
+                         "more globals a sandbox's reply may hold, `module:name` or `module:*` (every class and "
+                         "function that module defines): types a `call()`ed function returns (see Confinement)")
 CONFINE_WARNED = _declare("SWIFT_SAFE_MEDIA_CONFINE_WARNED", SWITCH, False,
                           "the log said once that a confinement layer is missing here", internal=True)
 # DataLoader workers.

@@ -49,7 +49,9 @@ def _rebuild_tensor(array, dtype_name, requires_grad):
     import torch
 
     tensor = torch.from_numpy(array)
-    dtype = getattr(torch, dtype_name)
+    dtype = vars(torch).get(dtype_name)  # the name comes from the sandbox: no module __getattr__
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"not a torch dtype: {dtype_name!r}")
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
@@ -94,6 +96,8 @@ def _reduce_image(obj):
 def _rebuild_image(mode, size, pixels, info, palette):
     from PIL import Image
 
+    if size[0] * size[1] > 8 * len(pixels):  # a pixel takes a bit at least: never allocate past the data
+        raise ValueError(f"{len(pixels)} bytes of pixels for a {size} image")
     if mode == "1":  # the raw decoder packs bits; frombuffer cannot share them
         image = Image.frombytes(mode, size, bytes(pixels))
     else:
@@ -125,4 +129,7 @@ def _reduce_strided_array(obj):
 def _rebuild_strided_array(flat, dtype, shape, strides):
     import numpy as np
 
-    return np.ndarray(shape, np.dtype(dtype), buffer=flat, strides=strides)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:  # object pointers read from shared memory: the sender's to forge
+        raise TypeError("an object array cannot be rebuilt from memory")
+    return np.ndarray(shape, dtype, buffer=flat, strides=strides)

@@ -7,9 +7,8 @@ timeout. DataLoader workers are separate processes and each gets its own pool; a
 drops the pool it inherited and starts its own.
 
 :meth:`SandboxPool.run` is one exchange with a sandbox: send the request, wait for the
-result under the timeout, and on overrun or death kill the sandbox, start its
-successor at once and raise the typed error. Sandboxes come from the zygote
-(:mod:`.zygote`); what runs inside them is :mod:`.sandbox`.
+result under the timeout, and on overrun or death kill the sandbox, start its successor at
+once and raise the typed error. Sandboxes come from :mod:`.zygote`; inside: :mod:`.sandbox`.
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ import threading
 import time
 
 from .. import config, process
-from ..confinement import policy as confine
-from . import faults, transport
+from ..confinement import policy as confine, reply_unpickler
 from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
+from . import faults, transport
 from .faults import describe_status
 from .shared_zygote import shared_address
 from .zygote import SandboxHandle, Zygote
@@ -76,8 +75,7 @@ class SandboxPool:
         self._idle: list[SandboxHandle] = []
         self._busy = 0
         self._closed = False
-        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0,
-                      "last_kill_to_ready_s": None}
+        self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0, "last_kill_to_ready_s": None}
         self._oom_kills = faults.oom_kills()  # the OOM killer's counters, as last read
 
     # -- pool ---------------------------------------------------------------------
@@ -291,9 +289,11 @@ class SandboxPool:
                                              f"sandbox pid {box.pid} was killed", time.monotonic() - clock.started)
             error.ambiguous = clock.capped  # cut short by the ceiling: the machine may be to blame
             raise error from None
-        except (EOFError, ConnectionError) as exc:
+        except (EOFError, ConnectionError, reply_unpickler.RefusedReply) as exc:
             self.stats["crashes"] += 1
             status, peak_kib = self._replace(box)
+            if isinstance(exc, reply_unpickler.RefusedReply):  # maybe hostile: nothing of it runs here
+                raise exc.error(path, box.pid, time.monotonic() - clock.started) from None
             counters = faults.oom_kills()
             oom, self._oom_kills = faults.risen(self._oom_kills, counters), counters
             raise faults.crash_error(box.pid, status, peak_kib, oom, path, time.monotonic() - clock.started) from exc

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 
-from ..confinement import handed
+from ..confinement import handed, reply_unpickler
 from . import pickling
 
 # kind, pickle length, buffer count, memfd bytes used, arena block id (0: not lent)
@@ -200,9 +200,11 @@ def send_encoded(sock: socket.socket, message: bytes, fd: int, owned: bool,
             os.close(fd)
 
 
-def receive(sock: socket.socket, deadline: float | None = None, unpickler=pickle.Unpickler,
+def receive(sock: socket.socket, deadline: float | None = None, unpickler=reply_unpickler.ReplyUnpickler,
             blocks: MappedBlocks | None = None):
     """Return ``(kind, obj)``. EOFError when the peer is gone, TimeoutError past the deadline.
+    A peer's bytes are unpickled with the allow-list of :mod:`.reply_unpickler` (a refused
+    message raises its RefusedReply) unless the receiver trusts the peer and says so.
 
     Buffers lent from the peer's arena are viewed through ``blocks``, which learns when
     nothing views them any more."""

@@ -186,23 +186,37 @@ class _WithEnvironment:
         self.changed, self.removed, self.init_fn = changed, removed, init_fn
 
     def __call__(self, worker_id):
-        for name in self.removed:
-            os.environ.pop(name, None)
-        os.environ.update(self.changed)
+        adopt_environment(self.changed, self.removed)
         if self.init_fn is not None:
             return self.init_fn(worker_id)
+
+
+def adopt_environment(changed: dict, removed: list) -> None:
+    """In a process forked from the warm forkserver: its parent's environment (see
+    :func:`environment_changes`)."""
+    for name in removed:
+        os.environ.pop(name, None)
+    os.environ.update(changed)
+
+
+def environment_changes() -> tuple[dict, list]:
+    """(changed, removed): how this process's environment now differs from the one the warm
+    forkserver started with (none where it is not ours)."""
+    base = process.current().forkserver_environment
+    if base is None:
+        return {}, []
+    return ({name: value for name, value in os.environ.items() if base.get(name) != value},
+            [name for name in base if name not in os.environ])
 
 
 @contextlib.contextmanager
 def workers_see_current_environment(loader, method: str):
     """While ``loader`` starts workers from the warm forkserver: they adopt the loader's
     process's environment as it is now (variables set after ``enable()`` included)."""
-    base = process.current().forkserver_environment
-    if base is None or method != FORKSERVER or loader.num_workers <= 0:
+    if process.current().forkserver_environment is None or method != FORKSERVER or loader.num_workers <= 0:
         yield
         return
-    changed = {name: value for name, value in os.environ.items() if base.get(name) != value}
-    removed = [name for name in base if name not in os.environ]
+    changed, removed = environment_changes()
     if not changed and not removed:
         yield
         return

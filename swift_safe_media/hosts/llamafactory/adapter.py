@@ -8,6 +8,7 @@ the workers' start method, the run summary and the ``safe_media*`` settings.
   sample whose media fail at collation is replaced by another of its batch;
 - :mod:`.workers`: the workers' start method (the warm forkserver) and the
   collator as a worker receives it (its model as a meta copy);
+- :mod:`.map`: the preprocessing ``map`` processes from the warm forkserver;
 - here: the protocol of :mod:`swift_safe_media.patching.host_adapters`, the settings and the summary
   callback.
 
@@ -33,6 +34,7 @@ from ...patching.host_adapters import ModuleAdapter, env_state, installed_versio
 from .. import flags
 from ...patching.targets import Patcher, Patches, Target, original_of
 from .decode import MM_PLUGIN, import_llamafactory_in_sandbox
+from .map import DATASETS_MANAGER_MODULE, DATASETS_MAP_MODULE
 from .workers import worker_start_method  # noqa: F401 (protocol)
 
 HOST = "llamafactory"
@@ -42,9 +44,11 @@ PARSER = "llamafactory.hparams.parser"
 FLAG_MODULES = (PARSER,)
 COLLATOR = "llamafactory.data.collator"
 TUNER = "llamafactory.train.tuner"
-# What DataLoader workers need to unpickle LLaMA-Factory's collator (template, processor):
-# the warm forkserver imports it once, and the zygote forked from it has the plugins.
-WORKER_PRELOAD = ("transformers", "datasets", COLLATOR, MM_PLUGIN)
+# What DataLoader workers need to unpickle LLaMA-Factory's collator (template, processor),
+# and the preprocessing map's processes its converter and dataset processors (the loader
+# imports both; 1.9 s in each map process otherwise): the warm forkserver imports it once,
+# and the zygote forked from it has the plugins.
+WORKER_PRELOAD = ("transformers", "datasets", COLLATOR, MM_PLUGIN, "llamafactory.data.loader")
 RUN_FOLDER = "safe_media"
 
 _DECODE = "swift_safe_media.hosts.llamafactory.decode"
@@ -69,6 +73,10 @@ TARGETS = (
     Target(COLLATOR, "MultiModalDataCollatorForSeq2Seq.__getstate__",
            "swift_safe_media.hosts.llamafactory.workers:collator_state_for_workers", only_if_missing=True),
     Target(TUNER, "_training_function", "training_function_with_summary"),
+    # The preprocessing map's processes start from the warm forkserver (.map).
+    *(Target(module, name, f"swift_safe_media.hosts.llamafactory.map:{stand_in}")
+      for module, name, stand_in in ((DATASETS_MAP_MODULE, "Pool", "map_pool"),
+                                     (DATASETS_MANAGER_MODULE, "Manager", "map_manager"))),
 )
 
 
@@ -97,8 +105,10 @@ def training_function_with_summary(*args, **kwargs) -> None:
     return original_of(sys.modules[TUNER]._training_function)(*args, **kwargs)
 
 
-PATCHES = Patches(("llamafactory.",), TARGETS, globals())
-TRIGGER_MODULES = PATCHES.modules
+PATCHES = Patches(("llamafactory.", "datasets."), TARGETS, globals())
+# LLaMA-Factory's own modules only: importing datasets (an ms-swift run, say) patches nothing;
+# LLaMA-Factory imports datasets before the modules that trigger.
+TRIGGER_MODULES = tuple(name for name in PATCHES.modules if name.startswith("llamafactory."))
 is_patched, patched_sites = PATCHES.is_patched, PATCHES.sites
 
 
