@@ -6,6 +6,22 @@ import pytest
 
 import swift_safe_media
 
+SETTINGS_PREFIX = "SWIFT_SAFE_MEDIA"
+
+
+@pytest.fixture(autouse=True)
+def settings_of_this_test_only():
+    """The package's settings live in the environment (``enable()`` and ``config.write``
+    put them there for child processes): what a test sets there is undone after it, so that
+    no test runs with a registry or a timeout an earlier test left, whichever tests share
+    its pytest process (`make test` runs files in two)."""
+    before = {name: value for name, value in os.environ.items() if name.startswith(SETTINGS_PREFIX)}
+    yield
+    for name in [name for name in os.environ if name.startswith(SETTINGS_PREFIX)]:
+        if name not in before:
+            del os.environ[name]
+    os.environ.update(before)
+
 
 @pytest.fixture
 def fresh_engine():

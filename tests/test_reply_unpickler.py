@@ -86,7 +86,7 @@ def test_a_module_the_user_allowed_whole_gives_only_what_it_defines(tmp_path, mo
     monkeypatch.setenv("SWIFT_SAFE_MEDIA_REPLY_GLOBALS", "tests.reply_attacks:*,swift_safe_media.confinement.handed:*")
     assert type(call(reply_attacks.judge, 2)) is reply_attacks.Verdict
     marker = str(tmp_path / "ran")
-    with pytest.raises(MediaDecodeCrash, match=r"global swift_safe_media\.handed\.os\.system "):
+    with pytest.raises(MediaDecodeCrash, match=r"global swift_safe_media\.confinement\.handed\.os\.system "):
         call(reply_attacks.send_crafted_reply, "an allowed module's os.system", marker, timeout=60)
     assert not _wait_for(marker, 1.0)
 
