@@ -33,8 +33,18 @@ ENVS := $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP) $(LLAMAFACTORY_STAMP)
 TEST_JOBS ?= 2
 
 SOURCES := $(shell find swift_safe_media -name '*.py') _swift_safe_media_startup.py swift_safe_media.pth setup.py
+# Our package as a user installs it: one wheel, built once from a clean build/ (setuptools
+# would copy into the wheel whatever an earlier build left in build/lib, modules since moved
+# included), then installed into each venv (four builds in one tree at once would race).
+WHEEL_DIR := build/wheel
+WHEEL := $(WHEEL_DIR)/.built
 
-$(STAMP): requirements-test.txt pyproject.toml $(SOURCES) | ffmpeg
+$(WHEEL): pyproject.toml MANIFEST.in $(SOURCES)
+	rm -rf build swift_safe_media.egg-info
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir $(WHEEL_DIR) .
+	@touch $(WHEEL)
+
+$(STAMP): requirements-test.txt $(WHEEL) | ffmpeg
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-test.txt
 	@# LeRobot 0.4.4 pins torch<2.11: installed without its pins, its dataset deps are in requirements-test.txt.
@@ -46,26 +56,26 @@ $(STAMP): requirements-test.txt pyproject.toml $(SOURCES) | ffmpeg
 	@# tests/test_preflight.py: PyPI's torchcodec 0.17 links CUDA 13; beside .venv-lerobot's torch (CUDA 12.8) it cannot load.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --upgrade --target $(VENV)/test-extras/torchcodec-0.17.0 torchcodec==0.17.0
 	@# A regular install, not editable: the start-up hook (.pth) ships only in a wheel.
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	@touch $(STAMP)
 
 # LeRobot's own environment, exactly as pip resolves `lerobot==0.4.4` (torch<2.11), with our
 # package installed as a user installs it: a regular install, so the start-up hook ships.
-$(LEROBOT_STAMP): requirements-lerobot.txt pyproject.toml $(SOURCES) | ffmpeg build-tools
+$(LEROBOT_STAMP): requirements-lerobot.txt $(WHEEL) | ffmpeg build-tools
 	@[ -x $(LEROBOT_PY) ] || $(PYTHON) -m venv $(LEROBOT_VENV)
 	$(LEROBOT_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-lerobot.txt
-	$(LEROBOT_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	$(LEROBOT_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	@# After our package: its own requirements must be met by the pins too.
 	$(LEROBOT_PY) -m pip check
 	@touch $(LEROBOT_STAMP)
 
 # LeRobot 0.6.1's own environment on Python 3.12, exactly as pip resolves `lerobot[training]==0.6.1`,
 # with our package installed as a user installs it, and the other releases' code beside it.
-$(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES) | ffmpeg build-tools
+$(LEROBOT06_STAMP): requirements-lerobot-0.6.txt $(WHEEL) | ffmpeg build-tools
 	@if [ ! -x $(LEROBOT06_PY) ]; then python312="$$($(MAKE) --no-print-directory -s python3.12)" && \
 		"$$python312" -m venv $(LEROBOT06_VENV); fi
 	$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-lerobot-0.6.txt
-	$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	$(LEROBOT06_PY) -m pip check
 	@for release in $(LEROBOT_RELEASES); do [ -d $(LEROBOT06_VENV)/lerobot-releases/$$release/lerobot ] || \
 		$(LEROBOT06_PY) -m pip install --quiet --disable-pip-version-check --no-deps \
@@ -74,10 +84,10 @@ $(LEROBOT06_STAMP): requirements-lerobot-0.6.txt pyproject.toml $(SOURCES) | ffm
 
 # LLaMA-Factory 0.9.5's own environment on Python 3.11, exactly as pip resolves `llamafactory==0.9.5`
 # with torch 2.11 (torchaudio's last release), with our package installed as a user installs it.
-$(LLAMAFACTORY_STAMP): requirements-llamafactory.txt pyproject.toml $(SOURCES) | ffmpeg
+$(LLAMAFACTORY_STAMP): requirements-llamafactory.txt $(WHEEL) | ffmpeg
 	@[ -x $(LLAMAFACTORY_PY) ] || $(PYTHON) -m venv $(LLAMAFACTORY_VENV)
 	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-llamafactory.txt
-	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	$(LLAMAFACTORY_PY) -m pip check
 	@touch $(LLAMAFACTORY_STAMP)
 
