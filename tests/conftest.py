@@ -6,7 +6,13 @@ import pytest
 
 import swift_safe_media
 
-SETTINGS_PREFIX = "SWIFT_SAFE_MEDIA"
+# Our settings, and the package's internal variables (``_SWIFT_SAFE_MEDIA_*``, such as the
+# forkserver's thread count, set where the forkserver's preparation runs).
+SETTINGS_MARK = "SWIFT_SAFE_MEDIA"
+
+
+def _ours(name: str) -> bool:
+    return name.lstrip("_").startswith(SETTINGS_MARK)
 
 
 @pytest.fixture(autouse=True)
@@ -15,9 +21,9 @@ def settings_of_this_test_only():
     put them there for child processes): what a test sets there is undone after it, so that
     no test runs with a registry or a timeout an earlier test left, whichever tests share
     its pytest process (`make test` runs files in two)."""
-    before = {name: value for name, value in os.environ.items() if name.startswith(SETTINGS_PREFIX)}
+    before = {name: value for name, value in os.environ.items() if _ours(name)}
     yield
-    for name in [name for name in os.environ if name.startswith(SETTINGS_PREFIX)]:
+    for name in [name for name in os.environ if _ours(name)]:
         if name not in before:
             del os.environ[name]
     os.environ.update(before)

@@ -25,7 +25,7 @@ COLD = {"SWIFT_SAFE_MEDIA_WARM_START": "0"}
 
 def clean_environment(extra: dict | None = None, *, pythonpath: list[str] | None = None,
                       warm_start: bool = False) -> dict:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    env = {key: value for key, value in os.environ.items() if not key.lstrip("_").startswith("SWIFT_SAFE_MEDIA")}
     if not warm_start:
         env.update(COLD)
     env.update(extra or {})

@@ -56,6 +56,9 @@ ALLOWED: dict[str, frozenset[str]] = {name: frozenset(names.split()) for name, n
     "swift_safe_media.confinement.handed": "HandedPath",
     # What the twins return besides frames and samples.
     "swift_safe_media.decoders.videoinfo": "VideoInfo Seconds",
+    # What stock entry points run whole in the sandbox return besides arrays
+    # (patching/media_libraries.py): transformers' load_video gives its metadata.
+    "transformers.video_utils": "VideoMetadata",
 }.items()}
 
 
