@@ -160,6 +160,7 @@ def test_stock_lerobot_train_06_hangs_or_crashes_on_the_same_dataset(datasets, t
     assert workers(run)["spawned"], "stock LeRobot 0.6.1 spawns its workers"
 
 
+@pytest.mark.serial  # its kill plan times kills against decodes in flight: alone, not beside another file
 @pytest.mark.timeout(1200)
 def test_protected_lerobot_train_06_under_machine_faults_loses_no_sample(datasets, tmp_path):
     """Issue 35: SIGKILLs of sandboxes mid-decode, of the shared zygote, of a DataLoader worker
