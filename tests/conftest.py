@@ -6,14 +6,7 @@ import pytest
 
 import swift_safe_media
 
-# Our settings, and the package's internal variables (``_SWIFT_SAFE_MEDIA_*``, such as the
-# forkserver's thread count, set where the forkserver's preparation runs).
-SETTINGS_MARK = "SWIFT_SAFE_MEDIA"
-
-
-def _ours(name: str) -> bool:
-    return name.lstrip("_").startswith(SETTINGS_MARK)
-
+from .fresh import is_ours as _ours
 
 @pytest.fixture(autouse=True)
 def settings_of_this_test_only():

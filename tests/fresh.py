@@ -23,9 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLD = {"SWIFT_SAFE_MEDIA_WARM_START": "0"}
 
 
+def is_ours(name: str) -> bool:
+    """A setting of ours (``SWIFT_SAFE_MEDIA*``) or an internal variable (``_SWIFT_SAFE_MEDIA_*``)."""
+    return name.lstrip("_").startswith("SWIFT_SAFE_MEDIA")
+
+
 def clean_environment(extra: dict | None = None, *, pythonpath: list[str] | None = None,
                       warm_start: bool = False) -> dict:
-    env = {key: value for key, value in os.environ.items() if not key.lstrip("_").startswith("SWIFT_SAFE_MEDIA")}
+    env = {key: value for key, value in os.environ.items() if not is_ours(key)}
     if not warm_start:
         env.update(COLD)
     env.update(extra or {})
