@@ -63,11 +63,23 @@ def allowed(environment=None) -> dict:
     return {name: value for name, value in environment.items() if is_allowed(name, extra)}
 
 
+# Words in a variable's name that say it holds a credential (``HF_TOKEN``, ``WANDB_API_KEY``,
+# ``AWS_SECRET_ACCESS_KEY``, ``GOOGLE_APPLICATION_CREDENTIALS``).
+_CREDENTIAL_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def looks_like_a_credential(name: str) -> bool:
+    return any(word in name.upper() for word in _CREDENTIAL_WORDS)
+
+
 def withheld(environment=None) -> list[str]:
-    """The names of ``environment`` a sandbox does not get (for doctor: names, never values)."""
+    """The names of ``environment`` a sandbox does not get (for doctor: names, never values),
+    credential-like names first: a report cut to its first names still shows the ones a reader
+    looks for (a CI machine holds dozens of others)."""
     environment = os.environ if environment is None else environment
     keep = allowed(environment)
-    return sorted(name for name in environment if name not in keep)
+    return sorted((name for name in environment if name not in keep),
+                  key=lambda name: (not looks_like_a_credential(name), name))
 
 
 def scrub() -> None:
