@@ -8,38 +8,21 @@ import time
 
 from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
 
+from .proc_table import descendants as proc_descendants, process_table
+
 
 def descendants(root: int) -> dict[int, tuple[str, str]]:
     """pid -> (what it is: sandbox, zygote, forkserver, worker or other; its state) for every
-    process under ``root`` (sandboxes lead sessions of their own: found by parent)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/comm") as comm:
-                name = comm.read().strip()
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read()
-        except (OSError, IndexError):
-            continue
-        kind = {SANDBOX_NAME: "sandbox", ZYGOTE_NAME: "zygote"}.get(name) or \
-            ("forkserver" if b"multiprocessing.forkserver" in command else "other")
-        table[int(entry)] = (int(fields[1]), kind, fields[0])
-    for pid, (ppid, kind, state) in list(table.items()):
+    living process under ``root``."""
+    table = process_table()
+    kinds = {pid: {SANDBOX_NAME: "sandbox", ZYGOTE_NAME: "zygote"}.get(row.name) or
+             ("forkserver" if "multiprocessing.forkserver" in row.command else "other")
+             for pid, row in table.items()}
+    for pid, row in table.items():
         # What a forkserver forks (DataLoader workers) has its command line too.
-        if kind == "forkserver" and table.get(ppid, (0, ""))[1] == "forkserver":
-            table[pid] = (ppid, "worker", state)
-    found, queue = {}, [root]
-    while queue:
-        parent = queue.pop()
-        for pid, (ppid, kind, state) in table.items():
-            if ppid == parent and state not in ("Z", "X"):
-                found[pid] = (kind, state)
-                queue.append(pid)
-    return found
+        if kinds[pid] == "forkserver" and kinds.get(row.parent) == "forkserver":
+            kinds[pid] = "worker"
+    return {pid: (kinds[pid], row.state) for pid, row in proc_descendants(table, root, living=True).items()}
 
 
 def session_of(marker: str) -> int | None:

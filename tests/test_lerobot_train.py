@@ -24,6 +24,8 @@ import pytest
 
 from swift_safe_media.records import quarantine
 
+from .proc_table import descendants, process_table
+
 REPO = Path(__file__).resolve().parent.parent
 LEROBOT_VENV = REPO / ".venv-lerobot"
 LEROBOT_TRAIN = LEROBOT_VENV / "bin" / "lerobot-train"
@@ -80,34 +82,6 @@ def train_command(root: Path, output_dir: Path, *extra: str) -> list[str]:
             "--wandb.enable=false", f"--output_dir={output_dir}", *extra]
 
 
-def process_table() -> dict[int, tuple[int, int, str]]:
-    """pid: (parent pid, start time, command line) of every process now."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        table[int(entry)] = (int(fields[1]), int(fields[19]), command)
-    return table
-
-
-def descendants(table, root: int) -> dict[int, tuple[int, int, str]]:
-    found, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, row in table.items():
-            if row[0] == parent and pid not in found:
-                found[pid] = row
-                frontier.append(pid)
-    return found
-
-
 def run_train(command: list[str], bound: float, env=None) -> dict:
     """Run the CLI in its own session, watching its process tree; kill it all after ``bound``."""
     environment = {name: value for name, value in os.environ.items() if not name.startswith("SWIFT_SAFE_MEDIA")}
@@ -117,7 +91,7 @@ def run_train(command: list[str], bound: float, env=None) -> dict:
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
-    seen: dict[int, tuple[int, int, str]] = {}  # every descendant seen while it ran
+    seen: dict = {}  # pid -> proc_table.Process: every descendant seen while it ran
     sightings: dict[int, int] = {}  # how many polls saw it (a fork about to exec is seen once)
     deadline = time.monotonic() + bound
     while process.poll() is None and time.monotonic() < deadline:

@@ -1,0 +1,47 @@
+"""The machine's process table read from /proc, for the tests that watch a real CLI's
+processes (tests/test_lerobot_train.py's ``run_train``) or kill them (tests/fault_killer.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+class Process(NamedTuple):
+    parent: int
+    start: int  # clock ticks after boot: with the pid, says it is the same process
+    command: str  # the command line, arguments joined by spaces
+    state: str  # R running, S sleeping, Z zombie...
+    name: str  # /proc/<pid>/comm: what a process named itself (our sandboxes and zygotes do)
+
+
+def process_table() -> dict[int, Process]:
+    """pid -> Process for every process now (those gone while it reads are left out)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ')'
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{entry}/comm") as comm:
+                name = comm.read().strip()
+        except (OSError, IndexError):
+            continue
+        table[int(entry)] = Process(int(fields[1]), int(fields[19]), command, fields[0], name)
+    return table
+
+
+def descendants(table: dict[int, Process], root: int, living: bool = False) -> dict[int, Process]:
+    """The processes under ``root`` in ``table`` (found by parent: sandboxes lead sessions of
+    their own); ``living``: without zombies and those being reaped."""
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, row in table.items():
+            if row.parent == parent and pid not in found and not (living and row.state in ("Z", "X")):
+                found[pid] = row
+                frontier.append(pid)
+    return found
