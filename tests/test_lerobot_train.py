@@ -97,7 +97,10 @@ def run_train(command: list[str], bound: float, env=None) -> dict:
     while process.poll() is None and time.monotonic() < deadline:
         table = process_table()
         for pid, row in descendants(table, process.pid).items():
-            seen.setdefault(pid, row)
+            # The latest sighting: a process spawned is first seen between its fork and its
+            # exec, with the trainer's command line (a zombie's is empty: kept as it was).
+            if row.command or pid not in seen:
+                seen[pid] = row
             sightings[pid] = sightings.get(pid, 0) + 1
         time.sleep(0.2)
     hung = process.poll() is None

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.skipif(not LEROBOT_TRAIN.exists(), reason=f"{VENV} is m
 FRONT, WRIST, DEPTH = "observation.images.front", "observation.images.wrist", "observation.images.depth"
 EPISODES, FRAMES = 8, 5  # eval_split 0.25: episodes 6 and 7 are held out
 STEPS, BATCH, EVAL_STEPS = 10, 4, 5
+FAULT_STEPS = 30  # the machine-fault run: long enough for its kill plan
 TIMEOUT_S = 2
 RUN_BOUND_S = 900
 
@@ -67,8 +68,8 @@ def datasets(tmp_path_factory):
     return {"clean": clean, "hostile": hostile, "bad": bad}
 
 
-def train_command(root: Path, output_dir: Path, *extra: str) -> list[str]:
-    """A tiny ACT for ``STEPS`` steps on the CPU, eval loss on the held-out split every
+def train_command(root: Path, output_dir: Path, *extra: str, steps: int = STEPS) -> list[str]:
+    """A tiny ACT for ``steps`` steps on the CPU, eval loss on the held-out split every
     ``EVAL_STEPS``; LeRobot's own start method (spawn) and worker settings otherwise."""
     return [str(LEROBOT_TRAIN), "--dataset.repo_id=local/safe_media_test", f"--dataset.root={root}",
             "--dataset.eval_split=0.25", f"--eval_steps={EVAL_STEPS}",
@@ -76,7 +77,7 @@ def train_command(root: Path, output_dir: Path, *extra: str) -> list[str]:
             "--policy.pretrained_backbone_weights=null", "--policy.dim_model=32", "--policy.n_heads=2",
             "--policy.dim_feedforward=64", "--policy.n_encoder_layers=1", "--policy.n_decoder_layers=1",
             "--policy.chunk_size=5", "--policy.n_action_steps=5", f"--batch_size={BATCH}", "--num_workers=2",
-            f"--steps={STEPS}", "--log_freq=5", "--save_checkpoint=false", "--env_eval_freq=0",
+            f"--steps={steps}", "--log_freq=5", "--save_checkpoint=false", "--env_eval_freq=0",
             "--wandb.enable=false", f"--output_dir={output_dir}", *extra]
 
 
@@ -173,12 +174,14 @@ def test_protected_lerobot_train_06_under_machine_faults_loses_no_sample(dataset
     output_dir = tmp_path / "outputs"
     # The worker first: at the first decode every worker holds tasks the run must wait for. Hit
     # later, it may have handed in all its epoch's tasks (nothing to replace it for: the epoch's
-    # end shuts the workers down), as happened on CI's faster machine.
-    killer = Killer(str(output_dir), ("worker", "sandbox", "zygote", "forkserver", "sandbox"), gap=3.0)
+    # end shuts the workers down), as happened on CI's faster machine. Three times the steps:
+    # decodes to kill against for as long as the plan takes (the run stalls 5 s, torch's status
+    # check, before the worker is found dead), on a fast machine too.
+    killer = Killer(str(output_dir), ("worker", "sandbox", "zygote", "forkserver", "sandbox"), gap=2.0)
     killer.start()
     try:
-        run = run_train(train_command(datasets["clean"], output_dir, "--safe_media=true", "--safe_media_timeout=60"),
-                        bound=RUN_BOUND_S)
+        run = run_train(train_command(datasets["clean"], output_dir, "--safe_media=true", "--safe_media_timeout=60",
+                                      steps=FAULT_STEPS), bound=RUN_BOUND_S)
     finally:
         killer.done.set()
         killer.join(10)
@@ -186,7 +189,7 @@ def test_protected_lerobot_train_06_under_machine_faults_loses_no_sample(dataset
     (tmp_path / "train.log").write_text(output)
     print(f"lerobot-train under kills {killer.killed}: {output.count('trying again in a fresh sandbox')} retried")
     assert run["returncode"] == 0, output[-4000:]
-    assert f"step:{STEPS} " in output and "End of training" in output, output[-4000:]
+    assert f"step:{FAULT_STEPS} " in output and "End of training" in output, output[-4000:]
     assert killer.killed[:4] == ["worker", "sandbox", "zygote", "forkserver"], (killer.killed, output[-3000:])
     assert output.count("a machine fault, not the data's; replaced by pid") == 1, output[-4000:]
     assert "substituted" not in output and "no substitute" not in output, output[-4000:]
