@@ -68,3 +68,30 @@ class SentIndices:
 
     def __getattr__(self, name):
         return getattr(self.queue, name)
+
+
+# How long the result queue's write lock must stay held, with nothing in its pipe, before it
+# counts as left held by a dead worker. A live worker holds it only while it writes one
+# message of a few hundred bytes into the pipe, which cannot block on an empty pipe.
+LOCK_LEFT_HELD_S = 2.0
+
+
+def release_lock_left_held(result_queue, wait: float = LOCK_LEFT_HELD_S) -> bool:
+    """Release the write lock of the workers' shared ``result_queue`` if a killed worker left it
+    held (killed by SIGKILL between its feeder thread's acquire and release): every other
+    worker's feeder thread would wait on it for ever, and the trainer for their results.
+    Whether it did. Not decided while the pipe holds data (a live worker may be blocked
+    writing to a full pipe, the lock held, until the trainer reads)."""
+    lock, reader = getattr(result_queue, "_wlock", None), getattr(result_queue, "_reader", None)
+    if lock is None or reader is None:
+        return False
+    if lock.acquire(timeout=wait):
+        lock.release()
+        return False
+    if reader.poll(0):
+        return False
+    try:
+        lock.release()  # a multiprocessing Lock has no owner: any process may release it
+    except ValueError:  # released meanwhile after all
+        return False
+    return True

@@ -32,7 +32,7 @@ from ..engine import faults
 from ..patching import torch_dataloader
 from ..records import summary
 from . import liveness
-from .queues import UNREADABLE, SentIndices, Unreadable
+from .queues import UNREADABLE, SentIndices, Unreadable, release_lock_left_held
 
 log = logging.getLogger("swift_safe_media")
 
@@ -170,6 +170,7 @@ class Replacing:
         iterator._workers[worker_id] = worker
         iterator._index_queues[worker_id] = resend
         iterator._workers_status[worker_id] = True
+        self.free_result_queue(iterator)
         try:
             old_queue.cancel_join_thread()
             old_queue.close()
@@ -189,6 +190,12 @@ class Replacing:
         recorder = summary.recorder()
         if recorder is not None:
             recorder.note_worker_replaced()
+
+    def free_result_queue(self, iterator) -> None:
+        """The dead worker may have been killed holding the shared result queue's write lock."""
+        if release_lock_left_held(iterator._worker_result_queue):
+            log.warning("swift_safe_media: a killed DataLoader worker had left the lock of the workers' result queue "
+                        "held (killed while it sent a result); released, so the other workers' results go through")
 
     def replace_dead(self, iterator, was_active) -> bool:
         """After torch found workers dead: replace each, if every one of them may be."""
@@ -331,6 +338,8 @@ def get_data_replacing_workers(original, iterator, timeout=None):
                 raise
             got, data = False, None
         else:
+            if not got and state.replaced:  # nothing for a while: a lock held there since a kill?
+                state.free_result_queue(iterator)
             if not (got and state.replaced and state.stale(iterator, data)):
                 return got, data
         if time.monotonic() >= deadline:

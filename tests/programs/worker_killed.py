@@ -1,10 +1,12 @@
 """DataLoader workers SIGKILLed from outside while they hold outstanding tasks (issue 35):
-``python -m tests.programs.worker_killed CONTEXT KIND [pin] [persistent] [sent]`` (CONTEXT: fork,
-forkserver; KIND: map, iterable) runs one epoch undisturbed and one in which worker 0, then
-worker 1, are killed, each holding outstanding tasks (with ``sent``: once their results
-are sent, not yet read; with ``persistent``: the same loader's second epoch, its workers
-kept), and prints one JSON object: both epochs' batches, what was killed, the error if the
-epoch ended, and the run summary."""
+``python -m tests.programs.worker_killed CONTEXT KIND [pin] [persistent] [sent] [holding_lock]``
+(CONTEXT: fork, forkserver; KIND: map, iterable) runs one epoch undisturbed and one in which
+worker 0, then worker 1, are killed, each holding outstanding tasks (with ``sent``: once their
+results are sent, not yet read; with ``persistent``: the same loader's second epoch, its
+workers kept; with ``holding_lock``: each while it holds the lock of the result queue all
+workers share, as a worker killed in the middle of sending a result does), and prints one
+JSON object: both epochs' batches, what was killed, the error if the epoch ended, and the
+run summary."""
 
 import collections
 import json
@@ -62,11 +64,44 @@ def pin_thread_without_an_accelerator() -> None:
     pin_memory.pin_memory = lambda data, device=None: data
 
 
+def take_the_result_lock_when_asked(worker_id):
+    """A worker's ``worker_init_fn``: on SIGUSR1 it takes the lock of the result queue its
+    ``_worker_loop`` writes to (the caller's ``data_queue``) and keeps it, as a worker's
+    feeder thread does while it sends a result, then says so in a file."""
+    frame = sys._getframe(1)
+    while frame.f_code.co_name != "_worker_loop":  # through the wrappers of worker_init_fn
+        frame = frame.f_back
+    result_queue = frame.f_locals["data_queue"]
+
+    def take(signum, frame):
+        result_queue._wlock.acquire()
+        with open(f"{LOCK_TAKEN}.{os.getpid()}", "w"):
+            pass
+
+    signal.signal(signal.SIGUSR1, take)
+
+
+# Named by the worker's pid alone: a forkserver's worker imports this module again, as its own.
+LOCK_TAKEN = os.path.join(os.environ.get("TMPDIR", "/tmp"), "worker_killed_lock_taken")
+
+
+def kill_holding_the_result_lock(pid: int) -> None:
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"{LOCK_TAKEN}.{pid}"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {pid} did not take the result queue's lock")
+        time.sleep(0.01)
+    os.unlink(f"{LOCK_TAKEN}.{pid}")
+    os.kill(pid, signal.SIGKILL)
+
+
 def loader_of(context: str, kind: str, options) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(
         Items() if kind == "map" else Stream(), batch_size=2, num_workers=2, multiprocessing_context=context,
         pin_memory="pin" in options, persistent_workers="persistent" in options, shuffle=kind == "map",
-        generator=torch.Generator().manual_seed(7) if kind == "map" else None)
+        generator=torch.Generator().manual_seed(7) if kind == "map" else None,
+        worker_init_fn=take_the_result_lock_when_asked if "holding_lock" in options else None)
 
 
 def epoch(loader, kills: dict) -> dict:
@@ -79,7 +114,10 @@ def epoch(loader, kills: dict) -> dict:
                 if "sent" in sys.argv:  # killed once its results are in the queue, not yet read
                     time.sleep(0.5)
                 pid = batches._workers[worker_id].pid
-                os.kill(pid, signal.SIGKILL)
+                if "holding_lock" in sys.argv:
+                    kill_holding_the_result_lock(pid)
+                else:
+                    os.kill(pid, signal.SIGKILL)
                 killed.append({"pid": pid, "worker": worker_id, "outstanding": outstanding})
     except RuntimeError as exc:
         error = str(exc)
