@@ -19,6 +19,7 @@ import os
 import pathlib
 import re
 import shutil
+import select
 import subprocess
 import sys
 
@@ -255,7 +256,10 @@ def test_transformers_load_video_and_load_audio_templates_through_lazy_dataset_w
              for path, module, call in [(playlist, "video_utils", f"load_video({str(playlist)!r})"),
                                         (fifo, "audio_utils", f"load_audio({str(fifo)!r}, sampling_rate=16000)")]}
     for path, process in stock.items():
-        with pytest.raises(subprocess.TimeoutExpired):  # stock blocks: the clip is what it claims to be
+        # Inside the call first (importing transformers takes longer than 15 s on a loaded machine)...
+        ready, _, _ = select.select([process.stdout], [], [], 240)
+        assert ready and process.stdout.readline() == "calling\n", path
+        with pytest.raises(subprocess.TimeoutExpired):  # ...then stock blocks: the clip is what it claims to be
             process.wait(timeout=15)
         process.kill()
-        assert process.communicate()[0] == "calling\n", path  # blocked inside the call, not importing
+        assert process.communicate()[0] == "", path  # never returned
