@@ -8,6 +8,7 @@ import swift_safe_media
 
 from .fresh import is_ours as _ours
 
+
 @pytest.fixture(autouse=True)
 def settings_of_this_test_only():
     """The package's settings live in the environment (``enable()`` and ``config.write``

@@ -64,6 +64,10 @@ def pin_thread_without_an_accelerator() -> None:
     pin_memory.pin_memory = lambda data, device=None: data
 
 
+# Named by the worker's pid alone: a forkserver's worker imports this module again, as its own.
+LOCK_TAKEN = os.path.join(os.environ.get("TMPDIR", "/tmp"), "worker_killed_lock_taken")
+
+
 def take_the_result_lock_when_asked(worker_id):
     """A worker's ``worker_init_fn``: on SIGUSR1 it takes the lock of the result queue its
     ``_worker_loop`` writes to (the caller's ``data_queue``) and keeps it, as a worker's
@@ -73,16 +77,12 @@ def take_the_result_lock_when_asked(worker_id):
         frame = frame.f_back
     result_queue = frame.f_locals["data_queue"]
 
-    def take(signum, frame):
+    def take(signum, _interrupted):
         result_queue._wlock.acquire()
         with open(f"{LOCK_TAKEN}.{os.getpid()}", "w"):
             pass
 
     signal.signal(signal.SIGUSR1, take)
-
-
-# Named by the worker's pid alone: a forkserver's worker imports this module again, as its own.
-LOCK_TAKEN = os.path.join(os.environ.get("TMPDIR", "/tmp"), "worker_killed_lock_taken")
 
 
 def kill_holding_the_result_lock(pid: int) -> None:
