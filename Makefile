@@ -28,6 +28,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The four venvs build side by side (pip waits on the network more than on the CPU); apt runs
 # first and once (ffmpeg, build-tools are order-only prerequisites of every venv).
 ENVS := $(STAMP) $(LEROBOT_STAMP) $(LEROBOT06_STAMP) $(LLAMAFACTORY_STAMP)
+# What each venv takes at least (GiB, measured: 7.6, 8.3, 5.5, 5.9), for tools/venv_space.py to stop
+# before pip, not halfway, when the disk cannot hold the ones still missing; once built, their
+# identical binaries (CUDA libraries, triton) are hard-linked between them: 27 GiB become 21.
+VENV_GIB := $(VENV)=7 $(LEROBOT_VENV)=7.5 $(LEROBOT06_VENV)=5 $(LLAMAFACTORY_VENV)=5.3
+VENVS_SHARED := $(VENV)/.shared
 # pytest processes for the part of the suite that may run side by side (one file per process at
 # a time); `make test TEST_JOBS=0` runs it in one process.
 TEST_JOBS ?= 2
@@ -125,11 +130,17 @@ ffmpeg:
 
 envs: $(ENVS)
 
+$(VENVS_SHARED): $(ENVS)
+	@$(PYTHON) tools/venv_space.py share $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) $(LLAMAFACTORY_VENV)
+	@touch $(VENVS_SHARED)
+
 # The suite in two parts: files side by side in TEST_JOBS processes, then the tests marked
 # `serial` (they time a decode against the CPU it got, or look at every process's shared
 # memory) alone. Both parts always run; the exit status is the first failure's.
 test:
+	@$(PYTHON) tools/venv_space.py check $(VENV_GIB)
 	@$(MAKE) --no-print-directory --output-sync=target -j4 envs
+	@$(MAKE) --no-print-directory $(VENVS_SHARED)
 	@status=0; \
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=25 || status=$$?; \
 	$(PY) -m pytest -m serial || status=$$?; \

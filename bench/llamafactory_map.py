@@ -13,8 +13,10 @@ the default, or ``fork``, which keeps the stock pool), read as each pool is aske
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,6 +41,7 @@ def main():
     # the stock pool's forks hang in libgomp's barrier (seen here: the reason for the forkserver).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     folder = Path(tempfile.mkdtemp(prefix="bench_llamafactory_map_"))
+    atexit.register(shutil.rmtree, folder, True)  # media, tiny model, datasets cache: 44 MB a run
     os.environ["HF_DATASETS_CACHE"] = str(folder / "datasets_cache")
     media = scenario.build_media(folder / "media")
     from tests import tiny_models
