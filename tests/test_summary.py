@@ -12,7 +12,7 @@ import torch.utils.data
 from swift_safe_media import call
 from swift_safe_media.records import summary
 
-from . import sandboxed
+from . import fresh, sandboxed
 from .loader_datasets import SandboxedDataset
 
 
@@ -125,3 +125,42 @@ def test_slow_list_names_each_file_once_with_its_worst_time_and_count(tmp_path, 
     assert slowest[1] == {"path": "slow_once.mp4", "elapsed_s": 0.9, "outcome": "ok", "count": 2}
     text = summary.format_summary(summary.collect(str(tmp_path)))
     assert text.count("hang.mp4") == 1 and "hang.mp4 worst 2.10 s (timeout), 4 decodes" in text
+
+
+POOL_DECODES = r"""
+import sys
+from swift_safe_media.records import summary
+
+library = __import__(sys.argv[1])  # multiprocessing, or dill's multiprocess (datasets.map's)
+
+
+def decode(index):
+    summary.recorder().record(f"/clips/{index}.mp4", "ok", 0.01)
+    return index
+
+
+if __name__ == "__main__":
+    # As datasets.map uses its pool: `with`, whose exit terminates the workers (SIGTERM)
+    # as soon as the last result is in, well within a second of their last decode.
+    with library.get_context(sys.argv[2]).Pool(2) as pool:
+        assert sorted(pool.map(decode, range(8), chunksize=1)) == list(range(8))
+"""
+
+
+@pytest.mark.parametrize("library, method", [("multiprocessing", "fork"), ("multiprocessing", "forkserver"),
+                                             ("multiprocess", "fork")])
+def test_a_pools_workers_lose_no_count_when_the_pool_terminates_them(tmp_path, library, method):
+    """Pool workers end by SIGTERM, which runs no exit hook: every count they made is in the
+    stats folder anyway (before, all but each worker's first decode were lost), and they
+    leave no mark of counts held back for a final summary to wait on."""
+    pytest.importorskip(library)
+    stats = tmp_path / "stats"
+    script = tmp_path / "pool_decodes.py"  # a file: forkserver's workers import the main module
+    script.write_text(POOL_DECODES)
+    done = subprocess.run([sys.executable, str(script), library, method], capture_output=True, text=True,
+                          timeout=120, env=fresh.clean_environment({"SWIFT_SAFE_MEDIA_STATS_DIR": str(stats)},
+                                                                   pythonpath=[fresh.ROOT]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = summary.collect(str(stats))
+    assert (merged["decodes"], merged["ok"]) == (8, 8), merged
+    assert not list(stats.glob("pending-*"))

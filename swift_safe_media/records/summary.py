@@ -4,7 +4,9 @@ Each process that calls the engine (the trainer, every DataLoader worker) keeps 
 own counters and writes them to ``stats-<pid>.json`` in the run's stats folder
 (``SWIFT_SAFE_MEDIA_STATS_DIR``, which ``enable`` sets and workers inherit): a failure
 at once, other counts at most once a second and at most a second late (while it holds
-some back, a ``pending-<pid>`` file says so, and a final summary waits for it). ``collect``
+some back, a ``pending-<pid>`` file says so, and a final summary waits for it). A worker
+of a process pool (``datasets.map``'s, ms-swift's and LLaMA-Factory's preprocessing) writes
+every count at once: the pool ends it with SIGTERM, which runs no exit hook. ``collect``
 merges them: decodes, timeouts, crashes, quarantined hits, other errors, machine faults
 (the file's failures apart from the machine's), latency
 p50/p99, the slowest files (each once: its worst time and how often it was decoded),
@@ -19,6 +21,7 @@ import logging
 import multiprocessing.util
 import os
 import random
+import sys
 import threading
 import time
 
@@ -54,6 +57,7 @@ class Recorder:
         self.rows_failed = 0  # rows (requests) a command answered or left out for their media
         self.workers_replaced = 0  # DataLoader workers killed from outside and replaced (machine faults)
         self.last_flush = 0.0
+        self.writes_at_once = in_a_pool_worker()
         self._pending: threading.Timer | None = None
         self._lock = threading.Lock()
 
@@ -71,8 +75,8 @@ class Recorder:
                 self._note_slow_file(str(path), outcome, elapsed)
             # A failure is written at once. Other counts go out within a second: a worker
             # may idle between batches and then be killed (a DataLoader's idle workers at
-            # the end, a `datasets.map` pool), never reaching an exit hook.
-            if outcome != "ok" or time.monotonic() - self.last_flush >= FLUSH_EVERY_S:
+            # the end), never reaching an exit hook; a pool's worker, at once.
+            if outcome != "ok" or self.writes_at_once or time.monotonic() - self.last_flush >= FLUSH_EVERY_S:
                 self._flush()
             else:
                 if not self._marked:
@@ -144,6 +148,21 @@ class Recorder:
                 os.unlink(self.pending_path)
         except OSError:
             pass
+
+
+def in_a_pool_worker() -> bool:
+    """Whether this process is a worker of a ``multiprocessing`` (or dill's ``multiprocess``,
+    ``datasets.map``'s) ``Pool``. ``Pool.__exit__`` terminates its workers with SIGTERM as
+    soon as the last result is in, often within a second of their last decode, and a
+    terminated process runs neither atexit nor multiprocessing's exit hooks."""
+    for name in ("multiprocessing", "multiprocess"):
+        module = sys.modules.get(name)
+        try:
+            if module is not None and "PoolWorker" in module.current_process().name:
+                return True  # the pool names them "<Fork|Spawn|ForkServer>PoolWorker-<n>"
+        except Exception:  # fail open: held back a second, as any other process
+            pass
+    return False
 
 
 def recorder() -> Recorder | None:
