@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import stat
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -59,9 +60,10 @@ def _digest(path: Path) -> bytes:
     return hasher.digest()
 
 
-def _candidates(venvs: list[Path]) -> dict[tuple[int, int], list[Path]]:
-    """Files worth sharing, by (device, size); links already shared count once."""
-    by_size: dict[tuple[int, int], list[Path]] = defaultdict(list)
+def _candidates(venvs: list[Path]) -> dict[tuple[int, int], list[tuple[Path, int]]]:
+    """Regular files worth sharing, with their mode, by (device, size); links already shared
+    count once."""
+    by_size: dict[tuple[int, int], list[tuple[Path, int]]] = defaultdict(list)
     seen: set[tuple[int, int]] = set()
     for venv in venvs:
         for folder, _, names in os.walk(venv):
@@ -69,13 +71,13 @@ def _candidates(venvs: list[Path]) -> dict[tuple[int, int], list[Path]]:
                 if name.endswith(NEVER_SHARED_SUFFIXES):
                     continue
                 path = Path(folder, name)
-                stat = path.lstat()
-                if not path.is_file() or path.is_symlink() or stat.st_size < SMALLEST_SHARED:
+                found = path.lstat()  # a symbolic link's own: not a regular file
+                if not stat.S_ISREG(found.st_mode) or found.st_size < SMALLEST_SHARED:
                     continue
-                if (stat.st_dev, stat.st_ino) in seen:
+                if (found.st_dev, found.st_ino) in seen:
                     continue
-                seen.add((stat.st_dev, stat.st_ino))
-                by_size[(stat.st_dev, stat.st_size)].append(path)
+                seen.add((found.st_dev, found.st_ino))
+                by_size[(found.st_dev, found.st_size)].append((path, found.st_mode))
     return by_size
 
 
@@ -87,8 +89,8 @@ def share(venvs: list[Path]) -> int:
             continue
         # Same bytes and same mode (an executable keeps its x bit in every venv).
         by_content: dict[tuple[bytes, int], list[Path]] = defaultdict(list)
-        for path in paths:
-            by_content[(_digest(path), path.stat().st_mode)].append(path)
+        for path, mode in paths:
+            by_content[(_digest(path), mode)].append(path)
         for kept, *copies in by_content.values():
             for copy in copies:
                 # Linked beside the copy, then renamed over it: the path is never missing.
