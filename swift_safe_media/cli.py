@@ -30,6 +30,8 @@ def main(argv=None) -> int:
                            "'swift-safe-media[ray]')")
     add_quarantine_commands(commands)
     commands.add_parser("confinement", help="show what confines the decode sandboxes here (JSON)")
+    commands.add_parser("targets", help="show every patch target and whether the installed releases still have "
+                                        "it (moved, renamed, signature changed, new decode functions)")
     from .hosts.swift.adapter import FLAGS  # the flags ms-swift and LeRobot take, parsed the same way
     commands.add_parser("doctor", parents=[FLAGS], help="show what is installed and in force; "
                         "exit 1 when protection cannot work here (takes the hosts' --safe_media_* flags)")
@@ -39,6 +41,10 @@ def main(argv=None) -> int:
         return show_confinement()
     if args.command == "doctor":
         return run_doctor(args)
+    if args.command == "targets":
+        from .checks import targets
+
+        return targets.report()
     if args.command == "quarantine":
         return run_quarantine(args)
     return run_scan(args)

@@ -226,6 +226,9 @@ def run_templates(corpus, media, templates):
     warnings = [line for line in done.stderr.splitlines() if "protection does not bound" in line]
     assert len(warnings) == 1, warnings  # the user's own template only, once
     assert "UsersOwnVideoTemplate.replace_tag reaches cv2.VideoCapture" in warnings[0]
+    # ...and, registered under a name ms-swift 4.6.0 does not have, it is the one new template, named once.
+    [new] = [line for line in done.stderr.splitlines() if NEW_TEMPLATES_WARNING in line]
+    assert "1 template(s) registered here (ms-swift 4.6.0)" in new and "users_own_video (" in new, new
     return done
 
 
@@ -263,3 +266,125 @@ def test_transformers_load_video_and_load_audio_templates_through_lazy_dataset_w
             process.wait(timeout=15)
         process.kill()
         assert process.communicate()[0] == "", path  # never returned
+
+
+# Issue 44: a template family new since the ms-swift release the suite knows is named the day it lands.
+
+def test_the_installed_ms_swift_registers_no_template_new_since_the_known_release(caplog, monkeypatch):
+    """ms-swift 4.6.0, as installed here: every template it registers is in the record
+    (nothing new), every recorded one is still registered (nothing gone: a rename would show
+    as one of each), and the record is what the generator writes for it, classes included.
+    Building a template logs no warning of new templates."""
+    import importlib.metadata
+
+    from swift_safe_media.hosts.swift import known_templates
+
+    assert known_templates.KNOWN_RELEASE == importlib.metadata.version("ms-swift") == "4.6.0"
+    registered = swift_coverage.registered_templates()
+    assert len(registered) > 200, len(registered)
+    assert swift_coverage.new_templates(may_import=True) == []
+    tool = record_templates_tool()
+    assert set(registered) == known_templates.KNOWN_TEMPLATE_NAMES, tool.differences(
+        known_templates.KNOWN_TEMPLATE_NAMES, set(registered))
+    assert tool.render("4.6.0", tool.registered()) == pathlib.Path(known_templates.__file__).read_text(), (
+        "known_templates.py is stale: run .venv/bin/python tools/record_templates.py")
+    monkeypatch.setattr(swift_coverage, "_new_templates_warned", [])
+    with caplog.at_level(logging.WARNING, logger="swift_safe_media"):
+        swift_coverage.template_built(lambda template: None, Template.__new__(Template))
+    assert swift_coverage._new_templates_warned == [True]  # looked, once, and found nothing to say
+    assert not [record for record in caplog.records if NEW_TEMPLATES_WARNING in record.getMessage()]
+
+
+NEW_TEMPLATES_WARNING = "the newest release swift-safe-media is tested with"
+
+
+def record_templates_tool():
+    """tools/record_templates.py, the generator of ``known_templates``, as a module."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "record_templates.py"
+    spec = importlib.util.spec_from_file_location("record_templates", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def test_the_generator_names_templates_new_and_gone_since_the_record():
+    """``--check`` after a release: a family added is new, one removed is gone, a renamed one
+    is both. Gone names are the suite's concern only (the equality above fails on them, so
+    the record is refreshed): a run cannot build a template its ms-swift no longer has."""
+    differences = record_templates_tool().differences
+    assert differences({"qwen2_5_vl", "old_name"}, {"qwen2_5_vl", "new_name", "brand_new"}) == [
+        "new: brand_new", "new: new_name", "gone: old_name"]
+    assert differences({"chatml"}, {"chatml"}) == []
+
+# A family ms-swift has not released: its own template class, in a module of its own (the scan
+# reads a template's source file), opening video with decord, which protection does not bound.
+BRAND_NEW_FAMILY = '''
+from swift.template import Template
+
+
+class BrandNewFamilyTemplate(Template):
+    def replace_tag(self, media_type, index, inputs):
+        import decord
+        return [f"{len(decord.VideoReader(inputs.videos[index]))} frames"]
+'''
+# Registered as ms-swift registers its own (swift/template/templates/*.py), then built under
+# protection (``--safe_media true`` through ms-swift's parse_args), as a training run builds it.
+REGISTER_AND_BUILD = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from swift.template import TemplateMeta, register_template
+from swift.utils import parse_args
+from tests.programs.model_templates import Family, StandIn, TrainArgs, template_for
+from swift_safe_media.hosts.swift import coverage
+import brand_new_family
+
+parse_args(TrainArgs, ["--safe_media", "true"])
+register_template(TemplateMeta("brand_new_family", prefix=[], prompt=["{{QUERY}}"], chat_sep=None,
+                               template_cls=brand_new_family.BrandNewFamilyTemplate))
+register_template(TemplateMeta("brand_new_chat", prefix=["<s>"], prompt=["{{QUERY}}"], chat_sep=None))
+for name in ("brand_new_family", "brand_new_chat", "brand_new_family"):
+    template_for(Family(name, "llama3_1_omni", StandIn, "video"), "/nonexistent")
+print(json.dumps([[new.name, new.cls, new.known_class, [[reach.where, reach.call, reach.kind] for reach in new.unbounded]]
+                  for new in coverage.new_templates()]))
+'''
+
+
+def test_a_template_registered_since_the_known_release_is_named_once_at_start_up(tmp_path):
+    """Two templates registered with ms-swift's real ``register_template`` in a fresh process:
+    a new family with a class of its own, and a new name on ms-swift's base class (as 90 of
+    4.6.0's own are registered). Both are listed
+    with their class and what the scan found, and, of the three templates built, one warning
+    names both, with the installed and the known release."""
+    (tmp_path / "brand_new_family.py").write_text(BRAND_NEW_FAMILY)
+    done = run_python(code=REGISTER_AND_BUILD, args=[tmp_path], timeout=300)
+    new = json.loads(done.stdout.strip().splitlines()[-1])
+    assert new == [
+        ["brand_new_chat", "swift.template.base.Template", True, []],
+        ["brand_new_family", "brand_new_family.BrandNewFamilyTemplate", False,
+         [["BrandNewFamilyTemplate.replace_tag", "decord.VideoReader", OPENER]]],
+    ], done.stderr[-3000:]
+    warnings = [line for line in done.stderr.splitlines() if NEW_TEMPLATES_WARNING in line]
+    assert len(warnings) == 1, done.stderr[-3000:]
+    assert "2 template(s) registered here (ms-swift 4.6.0) that ms-swift 4.6.0," in warnings[0]
+    assert ("brand_new_family (brand_new_family.BrandNewFamilyTemplate, a new class): "
+            "BrandNewFamilyTemplate.replace_tag reaches decord.VideoReader (unbounded opener)") in warnings[0]
+    assert "brand_new_chat (swift.template.base.Template): bounded" in warnings[0]
+    # The family's own opener is still named by the per-template warning, once.
+    assert sum("BrandNewFamilyTemplate.replace_tag reaches decord.VideoReader, which protection does not bound"
+               in line for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
+
+
+def test_the_warning_of_new_templates_fails_open(monkeypatch, caplog):
+    """A record that cannot be read (or any error of the reading) never stops a template
+    from being built: the template is built, the reading is skipped at debug level."""
+    import swift_safe_media.hosts.swift.known_templates as known
+
+    monkeypatch.setattr(swift_coverage, "_new_templates_warned", [])
+    monkeypatch.delattr(known, "KNOWN_TEMPLATE_NAMES")
+    built = []
+    with caplog.at_level(logging.DEBUG, logger="swift_safe_media"):
+        swift_coverage.template_built(lambda template: built.append(template), "a template")
+    assert built == ["a template"]
+    assert any("coverage reading skipped" in record.getMessage() for record in caplog.records)

@@ -79,3 +79,22 @@ def test_map_processes_start_from_the_warm_forkserver_and_make_stocks_dataset(bu
     assert counted[0] == counted[1] and counted[0]["timeout"] + counted[0]["error"] == len(bad_files(built)), counted
     for name in ("warm", "stock"):
         assert not list((tmp_path / name).rglob("pending-*")), name
+
+
+DATASETS_5_2 = VENV / "test-extras" / "datasets-5.2.0"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not DATASETS_5_2.exists(), reason=f"{DATASETS_5_2} is missing: `make test` puts it there")
+def test_map_of_datasets_5_2_starts_from_the_warm_forkserver_too(built, tmp_path):
+    """datasets 4.8 on call multiprocess's Pool as ``mp.Pool``, not by the name 4.0-4.7
+    copied into arrow_dataset (issue 44): the map is protected all the same, nothing forks
+    the trainer, and no target is named as moved (py_utils' Manager is absent by design)."""
+    run = protected_map_run(built, tmp_path, "datasets52", env={"PYTHONPATH": str(DATASETS_5_2)})
+    output = run["output"]
+    assert "datasets 5.2.0" in subprocess.run(
+        [str(VENV / "bin" / "python"), "-c", "import datasets; print('datasets', datasets.__version__)"],
+        env={"PYTHONPATH": str(DATASETS_5_2), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True).stdout
+    assert WARM in output, output[-4000:]
+    assert not forked_trainers(run), forked_trainers(run)
+    assert "is missing" not in output and "no patch target covers" not in output, output[-4000:]

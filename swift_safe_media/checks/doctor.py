@@ -192,6 +192,21 @@ def _say_decoders(say, findings) -> None:
         say(_line("pairing", f"torch {torch_version} goes with {wanted} (torchcodec's table); {verdict}"))
 
 
+def _say_targets(say, installed_hosts) -> None:
+    """The patch targets the installed releases lack or changed (swift-safe-media targets)."""
+    from . import targets
+
+    try:
+        found = targets.problems()
+    except Exception as exc:  # never stop the doctor: say it could not look
+        say(_line("patch targets", f"could not be checked ({type(exc).__name__}: {exc})", "UNKNOWN"))
+        return
+    if not found:
+        say(_line("patch targets", "every target that should exist here does, as recorded", "ok"))
+    for finding in found:
+        say(_line("patch target", finding.message(), finding.problem.upper()))
+
+
 def report(out=sys.stdout) -> int:
     from .. import __version__
 
@@ -213,6 +228,8 @@ def report(out=sys.stdout) -> int:
     for name, version, span, supported in hosts:
         state = "not installed" if version is None else f"{version}, {'supported' if supported else 'NOT supported'}"
         say(_line(name, f"{state} ({span})", "" if version is None else "ok" if supported else "untouched"))
+
+    _say_targets(say, installed_hosts)
 
     say("\nsettings (flag > environment > default)")
     rows = settings_in_effect()

@@ -60,7 +60,7 @@ def is_supported(adapter) -> bool:
     reason = adapter.unsupported()
     if reason:
         _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version}: {reason}; "
-                                 f"leaving it untouched")
+                                 f"leaving it untouched: none of its decoding is protected")
         return False
     return True
 
@@ -229,6 +229,20 @@ def enable_hosts(hosts=None) -> None:
         _enabled_hosts.add(host)
         for module_name in adapter_for(host).TRIGGER_MODULES:
             _imports.when_imported(module_name, lambda _module, host=host: _apply(host))
+        # A release that moved every module of the table would fire none of those: as the host's
+        # package is imported, the modules gone from it are named (moved_targets).
+        _imports.when_imported(host, lambda _module, host=host: _name_modules_gone(host))
+
+
+def _name_modules_gone(host: str) -> None:
+    adapter = adapter_for(host)
+    version = adapter.get_version()
+    lowest, first_unsupported = adapter.SUPPORTED
+    if version is None or not lowest <= parse_version(version) < first_unsupported or adapter.unsupported():
+        return  # named as its modules are imported (is_supported), or not this host's package
+    from . import moved_targets
+
+    moved_targets.warn(adapter.PATCHES.check())
 
 
 def disable_hosts() -> None:
@@ -238,7 +252,7 @@ def disable_hosts() -> None:
     for host in list(_enabled_hosts):
         _enabled_hosts.discard(host)
         adapter = adapter_for(host)
-        for module_name in adapter.TRIGGER_MODULES:
+        for module_name in (*adapter.TRIGGER_MODULES, host):
             _imports.clear(module_name)
         adapter.unpatch()
 

@@ -15,6 +15,7 @@ log = logging.getLogger("swift_safe_media")
 
 _callbacks: dict[str, list] = {}
 _lock = threading.RLock()
+_executed: set[str] = set()  # hooked modules whose body has run (their hooks run before the import ends)
 
 
 def when_imported(module_name: str, callback) -> None:
@@ -26,6 +27,16 @@ def when_imported(module_name: str, callback) -> None:
     if module is not None:
         _run(callback, module)
         _again_when_executed(module)
+
+
+def done_executing(module_name: str) -> bool:
+    """Whether ``module_name`` is loaded and its body has run: a module still executing (it
+    imported, say, what triggered a hook) may not have defined everything yet. Its own hooks
+    run once its body is done, while the import system still marks it as initializing."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return False
+    return module_name in _executed or not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
 def clear(module_name: str | None = None) -> None:
@@ -85,6 +96,7 @@ class _HookedLoader(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
+        _executed.add(module.__name__)
         _fire(module)
 
     def __getattr__(self, name):

@@ -22,23 +22,34 @@ import functools
 import sys
 
 from . import import_hooks as _imports
+from .moved_targets import DecodeFunctions
 from .targets import Patches, Target
 
 _STOCK = "swift_safe_media.decoders.stock"
 
 TARGETS = (
-    Target("transformers.video_utils", "load_video", f"{_STOCK}:load_video"),
+    # Where a row names no release, the library has had it in every release read (4.51 on for transformers).
+    Target("transformers.video_utils", "load_video", f"{_STOCK}:load_video", expected_in="transformers>=4.52"),
     Target("transformers.audio_utils", "load_audio", f"{_STOCK}:load_audio"),
-    Target("transformers.audio_utils", "load_audio_as", f"{_STOCK}:load_audio_as"),
+    Target("transformers.audio_utils", "load_audio_as", f"{_STOCK}:load_audio_as", expected_in="transformers>=4.57"),
     Target("keye_vl_utils.vision_process", "fetch_video", f"{_STOCK}:keye_fetch_video"),
     Target("minicpmo.utils", "get_video_frame_audio_segments", f"{_STOCK}:minicpmo_video_audio_segments"),
     Target("whisper.audio", "load_audio", f"{_STOCK}:whisper_load_audio"),
     Target("librosa.core.audio", "load", f"{_STOCK}:librosa_load"),
     Target("soundfile", "read", f"{_STOCK}:soundfile_read"),
     Target("torchaudio", "load", f"{_STOCK}:torchaudio_load"),
-    Target("torchvision.io.video", "read_video", f"{_STOCK}:torchvision_read_video"),
+    Target("torchvision.io.video", "read_video", f"{_STOCK}:torchvision_read_video",
+           expected_in="torchvision<0.26"),  # torchvision 0.26 removed its video decoding
     # A media loader from a model's own code (InternLM-XComposer's ixc_utils.load_video).
     Target("transformers.dynamic_module_utils", "get_class_from_dynamic_module", f"{_STOCK}:dynamic_module_function"),
+)
+# transformers' video and audio loaders: load_video and load_audio are targets, the backends
+# load_video calls are inner; a new loader of this shape is named at start-up.
+DECODE_FUNCTIONS = (
+    DecodeFunctions("transformers.video_utils", r"^(load_video|read_video_)",
+                    inner=("read_video_opencv", "read_video_decord", "read_video_pyav", "read_video_torchvision",
+                           "read_video_torchcodec")),
+    DecodeFunctions("transformers.audio_utils", r"^load_audio", inner=("load_audio_torchcodec", "load_audio_librosa")),
 )
 # Where copies of these functions may live: their packages, ms-swift's templates, the
 # Qwen utils, and remote-code models (``from transformers.video_utils import load_video``).
@@ -59,7 +70,8 @@ def _call(stand_in, *args, **kwargs):
     return stand_in(*args, **kwargs)
 
 
-PATCHES = Patches(SCOPE, TARGETS, globals(), wrap_functions=_as_host_logs)
+PATCHES = Patches(SCOPE, TARGETS, globals(), wrap_functions=_as_host_logs, label="the media libraries",
+                  decode_functions=DECODE_FUNCTIONS)
 is_patched, patched_sites = PATCHES.is_patched, PATCHES.sites
 _enabled = False
 

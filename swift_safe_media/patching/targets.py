@@ -15,6 +15,8 @@ import inspect
 import sys
 from dataclasses import dataclass
 
+from . import moved_targets
+
 MARK = "__swift_safe_media_original__"
 
 
@@ -161,6 +163,11 @@ class Target:
     # A method the class gets only where it lacks one (an older host version missing what
     # a later one has); the stand-in is then the method itself, and unpatch removes it.
     only_if_missing: bool = False
+    # Where the target must exist: a requirement on an installed distribution ("ms-swift>=4.3",
+    # "datasets<4.8"). None: wherever its distribution is installed (within the host's
+    # supported range). A target that should exist and does not is named at start-up
+    # (moved_targets); one absent by design here is quiet.
+    expected_in: str | None = None
 
     @property
     def is_method(self) -> bool:
@@ -175,10 +182,14 @@ class Patches:
     a later trigger); ``wrap_functions`` wraps each function's stand-in (the adapter's
     logging, say)."""
 
-    def __init__(self, scope: tuple[str, ...], targets, namespace: dict, wrap_functions=None):
+    def __init__(self, scope: tuple[str, ...], targets, namespace: dict, wrap_functions=None, *,
+                 label: str, decode_functions=()):
         self.targets = tuple(targets)
         self._namespace = namespace
         self._wrap = wrap_functions
+        self.label = label  # what the rows protect, as the warnings name it ("ms-swift")
+        # moved_targets.DecodeFunctions: the known modules' decode functions, each a target or inner
+        self.decode_functions = tuple(decode_functions)
         self._functions = Patcher(scope)
         self._methods = MethodPatcher()
 
@@ -194,8 +205,15 @@ class Patches:
         return self._namespace[name]
 
     def patch(self) -> None:
+        """Patch what is loaded of the table, except targets whose signature changed
+        under a stand-in written for the old one; then warn once for each target that
+        should exist and does not (moved_targets)."""
+        findings = self.check()
+        changed = {finding.where for finding in findings if finding.problem == moved_targets.SIGNATURE}
         functions = []
         for target in self.targets:
+            if f"{target.module}.{target.name}" in changed:
+                continue  # left as stock, named by the warning
             module = sys.modules.get(target.module)
             if target.is_method:
                 class_name, method = target.name.split(".", 1)
@@ -210,6 +228,12 @@ class Patches:
                 stand_in = self.stand_in(target)
                 functions.append((target.module, target.name, self._wrap(stand_in) if self._wrap else stand_in))
         self._functions.replace_all(functions)
+        moved_targets.warn(findings)
+
+    def check(self) -> list:
+        """What of the table (and of its known modules' decode functions) the installed host
+        should have and lacks, as far as can be seen now (moved_targets.check)."""
+        return moved_targets.check(self.label, self.targets, self.stand_in, self.decode_functions)
 
     def unpatch(self) -> None:
         self._functions.restore()
@@ -223,16 +247,10 @@ class Patches:
         return self._functions.sites()
 
     def missing(self) -> list[str]:
-        """Targets whose module is loaded but lacks them ('module.name'): a table that no
-        longer fits the host (tests assert there are none)."""
+        """Targets whose module is loaded but lacks them ('module.name'), absent by design
+        or not: a table that no longer fits the host (tests assert there are none)."""
         missing = []
         for target in self.targets:
-            module = sys.modules.get(target.module)
-            if module is None:
-                continue
-            owner, _, name = target.name.rpartition(".")
-            holder = getattr(module, owner, None) if owner else module
-            if holder is None or (name not in vars(holder) if owner else not hasattr(holder, name)):
-                if not target.only_if_missing:
-                    missing.append(f"{target.module}.{target.name}")
+            if target.module in sys.modules and not target.only_if_missing and moved_targets.lookup(target) is None:
+                missing.append(f"{target.module}.{target.name}")
         return missing

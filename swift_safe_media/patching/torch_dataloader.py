@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from . import import_hooks
+from . import import_hooks, moved_targets
 from .targets import Patches, Target
 
 MODULE = "torch.utils.data.dataloader"
@@ -39,7 +39,7 @@ TARGETS = {
     ),
 }
 
-_patches = {group: Patches(SCOPE, targets, {}) for group, targets in TARGETS.items()}
+_patches = {group: Patches(SCOPE, targets, {}, label=f"torch's DataLoader, {group}") for group, targets in TARGETS.items()}
 _wanted: set[str] = set()
 _hooked = False
 
@@ -48,6 +48,8 @@ def patch(group: str) -> None:
     """Patch ``group``'s rows now, or as soon as torch's DataLoader is imported."""
     global _hooked
     _wanted.add(group)
+    if MODULE not in sys.modules:  # a module of the table gone from this torch is named now, not never
+        moved_targets.warn(_patches[group].check())
     if not _hooked:
         _hooked = True
         import_hooks.when_imported(MODULE, _apply)  # applies now if torch's DataLoader is loaded

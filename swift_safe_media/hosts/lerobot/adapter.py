@@ -59,7 +59,8 @@ def unsupported() -> str | None:
 def current_patches() -> Patches | None:
     """The patches of the installed layout (None: no layout matches)."""
     layout = layouts.installed()
-    return None if layout is None else Patches(("lerobot",), layout.targets, {})
+    return None if layout is None else Patches(("lerobot",), layout.targets, {}, label="LeRobot",
+                                               decode_functions=layouts.DECODE_FUNCTIONS)
 
 
 def __getattr__(name):

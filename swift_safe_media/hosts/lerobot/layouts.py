@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...patching.moved_targets import DecodeFunctions
 from ...patching.targets import Target, original_of
 
 VIDEO_UTILS = "lerobot.datasets.video_utils"
@@ -104,6 +105,12 @@ LAYOUTS = (
                                QUERY_VIDEOS),
                           f"{DECODE}:streaming_query_videos")),
 )
+
+# video_utils' decoders: decode_video_frames is the target, the backends it calls are inner; a
+# new one of this shape is named at start-up.
+DECODE_FUNCTIONS = (DecodeFunctions(VIDEO_UTILS, r"^decode_video_frames",
+                                    inner=("decode_video_frames_torchvision", "decode_video_frames_torchcodec",
+                                           "decode_video_frames_pyav")),)
 
 # Every module any layout patches: what may trigger the patch.
 ALL_MODULES = tuple(dict.fromkeys(module for layout in LAYOUTS for module in layout.modules))

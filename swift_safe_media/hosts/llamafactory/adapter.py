@@ -32,14 +32,17 @@ from ...engine import calls as engine
 from ...records import summary
 from ...patching.host_adapters import ModuleAdapter, env_state, installed_version, register
 from .. import flags
+from ...patching.moved_targets import DecodeFunctions
 from ...patching.targets import Patcher, Patches, Target, original_of
 from .decode import MM_PLUGIN, import_llamafactory_in_sandbox
-from .map import DATASETS_MANAGER_MODULE, DATASETS_MAP_MODULE
+from .map import DATASETS_MANAGER_MODULE, POOL_MODULE
 from .workers import worker_start_method  # noqa: F401 (protocol)
 
 HOST = "llamafactory"
 DISTRIBUTION = "llamafactory"
-SUPPORTED = ((0, 9, 0), (0, 10, 0))  # tested with 0.9.5
+# Tested with 0.9.5. 0.9.0 and 0.9.1 read media in BasePlugin and preprocess in data.processors
+# (another layout): outside the range, they are named and left untouched.
+SUPPORTED = ((0, 9, 2), (0, 10, 0))
 PARSER = "llamafactory.hparams.parser"
 FLAG_MODULES = (PARSER,)
 COLLATOR = "llamafactory.data.collator"
@@ -56,14 +59,18 @@ _ROWS = "swift_safe_media.hosts.llamafactory.rows"
 _PROCESSORS = (("supervised", "SupervisedDatasetProcessor"), ("supervised", "PackedSupervisedDatasetProcessor"),
                ("unsupervised", "UnsupervisedDatasetProcessor"), ("pairwise", "PairwiseDatasetProcessor"),
                ("feedback", "FeedbackDatasetProcessor"))
+_SINCE_095 = "llamafactory>=0.9.5"  # read off each 0.9.x release's source; a row naming none: all of 0.9.2 on
 TARGETS = (
     # Where each plugin class defines a media read of its own (the others inherit these).
-    *(Target(MM_PLUGIN, f"{cls}.{method}", f"{_DECODE}:regularize_each")
-      for cls, method in (("MMPluginMixin", "_regularize_images"), ("MMPluginMixin", "_regularize_videos"),
-                          ("MMPluginMixin", "_regularize_audios"), ("Qwen2VLPlugin", "_regularize_videos"),
-                          ("Gemma4Plugin", "_regularize_videos"))),
-    Target(MM_PLUGIN, "Qwen2VLPlugin._get_qwen_video_stream_metadata", f"{_DECODE}:video_metadata_in_sandbox"),
-    Target(MM_PLUGIN, "MiniCPMV4_6Plugin._get_mm_inputs", f"{_DECODE}:mm_inputs_in_sandbox"),
+    *(Target(MM_PLUGIN, f"{cls}.{method}", f"{_DECODE}:regularize_each", expected_in=since)
+      for cls, method, since in (("MMPluginMixin", "_regularize_images", None),
+                                 ("MMPluginMixin", "_regularize_videos", None),
+                                 ("MMPluginMixin", "_regularize_audios", None),
+                                 ("Qwen2VLPlugin", "_regularize_videos", None),
+                                 ("Gemma4Plugin", "_regularize_videos", _SINCE_095))),
+    Target(MM_PLUGIN, "Qwen2VLPlugin._get_qwen_video_stream_metadata", f"{_DECODE}:video_metadata_in_sandbox",
+           expected_in=_SINCE_095),
+    Target(MM_PLUGIN, "MiniCPMV4_6Plugin._get_mm_inputs", f"{_DECODE}:mm_inputs_in_sandbox", expected_in=_SINCE_095),
     *(Target(f"llamafactory.data.processor.{module}", f"{cls}.preprocess_dataset",
              f"{_ROWS}:preprocess_dropping_bad_rows") for module, cls in _PROCESSORS),
     *(Target(COLLATOR, f"{cls}.__call__", f"{_ROWS}:collate_or_substitute")
@@ -73,11 +80,17 @@ TARGETS = (
     Target(COLLATOR, "MultiModalDataCollatorForSeq2Seq.__getstate__",
            "swift_safe_media.hosts.llamafactory.workers:collator_state_for_workers", only_if_missing=True),
     Target(TUNER, "_training_function", "training_function_with_summary"),
-    # The preprocessing map's processes start from the warm forkserver (.map).
-    *(Target(module, name, f"swift_safe_media.hosts.llamafactory.map:{stand_in}")
-      for module, name, stand_in in ((DATASETS_MAP_MODULE, "Pool", "map_pool"),
-                                     (DATASETS_MANAGER_MODULE, "Manager", "map_manager"))),
+    # The preprocessing map's processes start from the warm forkserver (.map). datasets calls
+    # multiprocess's Pool (4.0-4.7 by the name copied into arrow_dataset, 4.8 on as mp.Pool); up
+    # to 4.7 its progress queue's Manager is py_utils' copy of multiprocessing's, from 4.8 the pool's own.
+    Target(POOL_MODULE, "Pool", "swift_safe_media.hosts.llamafactory.map:map_pool"),
+    Target(DATASETS_MANAGER_MODULE, "Manager", "swift_safe_media.hosts.llamafactory.map:map_manager",
+           expected_in="datasets<4.8"),
 )
+
+# mm_plugin's media reads: a plugin that defines one of its own (a name of this shape no row
+# above covers) is named at start-up.
+DECODE_FUNCTIONS = (DecodeFunctions(MM_PLUGIN, r"^_regularize_(images|videos|audios)$|^_get_\w*stream_metadata$"),)
 
 
 def get_version() -> str | None:
@@ -105,7 +118,8 @@ def training_function_with_summary(*args, **kwargs) -> None:
     return original_of(sys.modules[TUNER]._training_function)(*args, **kwargs)
 
 
-PATCHES = Patches(("llamafactory.", "datasets."), TARGETS, globals())
+PATCHES = Patches(("llamafactory.", "datasets.", "multiprocess"), TARGETS, globals(), label="LLaMA-Factory",
+                  decode_functions=DECODE_FUNCTIONS)
 # LLaMA-Factory's own modules only: importing datasets (an ms-swift run, say) patches nothing;
 # LLaMA-Factory imports datasets before the modules that trigger.
 TRIGGER_MODULES = tuple(name for name in PATCHES.modules if name.startswith("llamafactory."))

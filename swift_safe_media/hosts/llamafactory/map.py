@@ -11,11 +11,14 @@ this one), so nothing more travels; the processes adopt the trainer's environmen
 was when the pool was asked for (datasets sets ``TOKENIZERS_PARALLELISM`` for its
 processes then). Rows are dropped, named and counted in them as in forked ones.
 
-The targets are ``Pool`` and ``Manager`` in datasets' modules. ``Pool`` (:func:`map_pool`)
+The targets are multiprocess's ``Pool`` (datasets 4.0-4.7 call the copy
+``from multiprocess import Pool`` put in ``arrow_dataset``, which is patched with it; 4.8 on
+call ``mp.Pool``) and, up to datasets 4.7, py_utils' ``Manager``. ``Pool`` (:func:`map_pool`)
 is called with the number of processes only, so the map function is read from its caller,
 ``Dataset.map`` (its ``function`` and ``fn_kwargs``). While such a pool is open, the
-manager datasets starts for its progress queue (:func:`map_manager`) starts from the warm
-forkserver too: nothing of the map forks the trainer. The stock pool is made, as before, where
+manager datasets starts for its progress queue starts from the warm forkserver too
+(:func:`map_manager` up to 4.7; from 4.8 datasets asks the pool's own context for it):
+nothing of the map forks the trainer. The stock pool is made, as before, where
 - the map is not LLaMA-Factory's (another host's map, datasets' own uses of ``Pool``), or
   ``Dataset.map`` is not the caller (another datasets version): nothing said;
 - a start method was named (``multiprocess.set_start_method``, or
@@ -39,7 +42,7 @@ from .workers import _announce
 
 log = logging.getLogger("swift_safe_media")
 
-DATASETS_MAP_MODULE = "datasets.arrow_dataset"
+POOL_MODULE = "multiprocess"  # datasets' Pool: `from multiprocess import Pool` (4.0-4.7), `mp.Pool` (4.8 on)
 DATASETS_MANAGER_MODULE = "datasets.utils.py_utils"  # iflatmap_unordered's Manager
 
 _warm_pool_open = contextvars.ContextVar("swift_safe_media_warm_map_pool", default=False)
@@ -60,7 +63,7 @@ class WarmMapPool(multiprocessing.pool.Pool):
 
 def map_pool(*args, **kwargs):
     """datasets' ``Pool(processes)``: the warm forkserver's pool for LLaMA-Factory's map."""
-    stock = original_of(sys.modules[DATASETS_MAP_MODULE].Pool)
+    stock = original_of(sys.modules[POOL_MODULE].Pool)
     try:
         mapped = _map_function(_caller()) if len(args) == 1 and not kwargs else None
         why_not = _why_not_forkserver(mapped) if mapped is not None else _QUIET

@@ -39,6 +39,7 @@ from ...errors import MediaDecodeError
 from ...patching.host_adapters import ModuleAdapter, env_state, installed_version, register
 from .. import flags
 from . import inference as swift_inference
+from ...patching.moved_targets import DecodeFunctions
 from ...patching.targets import Patcher, Patches, Target
 
 log = logging.getLogger("swift_safe_media")
@@ -55,8 +56,9 @@ _SWIFT_LOADERS = ("load_audio", "load_video_internvl", "load_video_cogvlm2", "lo
                   "load_video_hf", "load_vllm_video")
 
 TARGETS = (
-    # Older 4.x lack some loaders (4.2.2 has no load_vllm_video): those are skipped.
-    *(Target("swift.template.vision_utils", name, f"swift_safe_media.decoders.swift:{name}")
+    # Where a row names no release, every supported ms-swift has it (read off each 4.x release's source).
+    *(Target("swift.template.vision_utils", name, f"swift_safe_media.decoders.swift:{name}",
+             expected_in="ms-swift>=4.4" if name == "load_vllm_video" else None)
       for name in _SWIFT_LOADERS),
     # ms-swift's Qwen2.5-VL / Qwen3-VL templates decode video through qwen_vl_utils, the
     # Omni templates through qwen_omni_utils (both import them inside replace_tag).
@@ -76,6 +78,8 @@ TARGETS = (
     # swift infer, deploy and GRPO rollouts: a row or a request whose media fail fails alone.
     *swift_inference.TARGETS,
 )
+# ms-swift's loaders: a new one (a name of this shape that no row above covers) is named at start-up.
+DECODE_FUNCTIONS = (DecodeFunctions("swift.template.vision_utils", r"^load_(video|audio)"),)
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
 FLAG_MODULES = ("swift.utils.utils",)
@@ -92,7 +96,8 @@ def _logging_failures(twin):
     return functools.wraps(twin)(functools.partial(_call_logging_failures, twin))
 
 
-PATCHES = Patches(SCOPE, TARGETS, globals(), wrap_functions=_logging_failures)
+PATCHES = Patches(SCOPE, TARGETS, globals(), wrap_functions=_logging_failures, label="ms-swift",
+                  decode_functions=DECODE_FUNCTIONS)
 TRIGGER_MODULES = PATCHES.modules
 patch, unpatch, is_patched, patched_sites = PATCHES.patch, PATCHES.unpatch, PATCHES.is_patched, PATCHES.sites
 _flag_patcher = Patcher(("swift.",))

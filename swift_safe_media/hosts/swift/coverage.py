@@ -21,6 +21,9 @@ test fails on a finding) and the run: :func:`warn_unbounded` logs one warning pe
 template and call as a template is built under protection, for ms-swift's templates
 and a user's own alike. What is called on an attribute of an object (``self.processor
 (...)``) cannot be read here; a template's processor is read as a class of its own.
+Templates registered under a name the newest ms-swift release tested here did not register
+(:mod:`.known_templates`) are read the same way and listed by :func:`new_templates`; the
+run names them in one warning, as its first template is built (a new family, seen the day it lands).
 """
 
 from __future__ import annotations
@@ -338,10 +341,60 @@ def warn_unbounded(template) -> None:
                         f"Wrap it with swift_safe_media.call, or report it.")
 
 
+_new_templates_warned: list[bool] = []  # a family new since the tested release: named once a run (issue 44)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewTemplate:
+    """A registered name not in ``known_templates``: its class, and the scan's findings there."""
+    name: str
+    cls: str  # module.QualName
+    known_class: bool  # the known release had the class (under other names)
+    unbounded: tuple[Reach, ...]
+
+    def __str__(self) -> str:
+        found = "; ".join(f"{reach.where} reaches {reach.call} ({reach.kind})" for reach in self.unbounded)
+        return f"{self.name} ({self.cls}{'' if self.known_class else ', a new class'}): {found or 'bounded'}"
+
+
+def registered_templates() -> dict[str, type]:
+    """name -> class, from this run's ``TEMPLATE_MAPPING`` (empty where the run never imported it)."""
+    mapping = getattr(sys.modules.get("swift.template.register"), "TEMPLATE_MAPPING", None) or {}
+    return {name: getattr(meta, "template_cls", None) for name, meta in dict(mapping).items()}
+
+
+def new_templates(may_import: bool = False) -> list[NewTemplate]:
+    """The registered templates the known release did not register, by name (each class read once)."""
+    from .known_templates import KNOWN_TEMPLATES, KNOWN_TEMPLATE_NAMES
+    return [NewTemplate(name, _canonical(cls), _canonical(cls) in KNOWN_TEMPLATES,
+                        tuple(unbounded(cls, may_import=may_import))) for name, cls in
+            sorted(registered_templates().items()) if name not in KNOWN_TEMPLATE_NAMES and isinstance(cls, type)]
+
+
+def warn_new_templates() -> None:
+    """One warning naming every template new since the known release, as the run's first
+    template is built (ms-swift's registry, and a user's own registrations, complete by then)."""
+    if _new_templates_warned or not registered_templates():
+        return
+    _new_templates_warned.append(True)
+    import importlib.metadata  # the standard library's, imported by transformers already
+    from .known_templates import KNOWN_RELEASE
+
+    if new := new_templates():
+        installed = next((found.version for found in importlib.metadata.distributions(name="ms-swift")), "(unknown)")
+        log.warning(f"swift_safe_media: {len(new)} template(s) registered here (ms-swift {installed}) that ms-swift "
+                    f"{KNOWN_RELEASE}, the newest release swift-safe-media is tested with, does not register: "
+                    f"{'; '.join(map(str, new))}. The coverage scan read each one's decode path (above: bounded, or "
+                    f"what it reaches unbounded), but these families are not in the tested list: a decode the scan "
+                    f"cannot see (a processor's remote code) may run without a timeout. Report them to swift-safe-media.")
+
+
 def template_built(stock_init, template, *args, **kwargs):
-    """``Template.__init__``, then the coverage warning for the template built (fails open)."""
+    """``Template.__init__``, then the coverage warnings: for the template built, and for the
+    templates new since the known release (each fails open: training goes on)."""
     stock_init(template, *args, **kwargs)
-    try:
-        warn_unbounded(template)
-    except Exception:
-        log.debug("swift_safe_media: coverage reading skipped", exc_info=True)
+    for warn in (lambda: warn_unbounded(template), warn_new_templates):
+        try:
+            warn()
+        except Exception:
+            log.debug("swift_safe_media: coverage reading skipped", exc_info=True)

@@ -46,10 +46,12 @@ TARGETS = (
     Target("swift.pipelines.infer.infer", "SwiftInfer._calc_metric", f"{_HERE}:metric_over_answered_rows"),
     Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_error_response", f"{_SERVING}:error_naming_media"),
     Target("swift.pipelines.infer.deploy", "SwiftDeploy.create_chat_completion", f"{_SERVING}:serve_chat_completion"),
-    Target("swift.pipelines.infer.deploy", "SwiftDeploy._materialize_media", f"{_SERVING}:file_named_with_its_download"),
-    Target("swift.utils.url_utils", "SafeUrlFetcher.read", f"{_SERVING}:read_url_within_timeout"),
+    Target("swift.pipelines.infer.deploy", "SwiftDeploy._materialize_media", f"{_SERVING}:file_named_with_its_download",
+           expected_in="ms-swift>=4.6"),
+    Target("swift.utils.url_utils", "SafeUrlFetcher.read", f"{_SERVING}:read_url_within_timeout",
+           expected_in="ms-swift>=4.6"),
     Target("swift.rlhf_trainers.grpo_trainer", "GRPOTrainer._rollout_samples",
-           "swift_safe_media.hosts.swift.rollouts:rollout_with_media_checked"),
+           "swift_safe_media.hosts.swift.rollouts:rollout_with_media_checked", expected_in="ms-swift>=4.4"),
 )
 
 # What happens to a row (or a request) whose media fail, by mode: the end of the log line.

@@ -1,0 +1,92 @@
+"""``swift-safe-media targets``: every patch target of every table, and whether the
+installed releases still have it; ``doctor`` shows the problems.
+
+The tables are the media libraries', torch's DataLoader's and each installed host's
+(LeRobot's: the layout its source matches). Each target's module is imported here (a
+start-up imports them as the run reaches them), then each row gets its state: present,
+absent by design on this release (its ``expected_in`` does not hold), not installed, or
+MOVED; and the problems get the lines a protected run would log at start-up
+(:mod:`..patching.moved_targets`): moved, signature changed, decode function not covered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+
+from ..patching import host_adapters as integrations, media_libraries, moved_targets, torch_dataloader
+
+
+@dataclass
+class Table:
+    label: str
+    patches: object = None  # targets.Patches, or None where the host is left untouched
+    note: str = ""  # why a host's table is not checked (not installed, outside its range, ...)
+    findings: list = field(default_factory=list)
+
+
+def _host_table(host: str) -> Table:
+    adapter = integrations.adapter_for(host)
+    version = adapter.get_version()
+    if version is None:
+        return Table(adapter.DISTRIBUTION, note="not installed")
+    lowest, first_unsupported = adapter.SUPPORTED
+    if not lowest <= integrations.parse_version(version) < first_unsupported:
+        return Table(adapter.DISTRIBUTION, note=f"{version} is outside the supported range "
+                                                f"{integrations._range(adapter.SUPPORTED)}: left untouched, nothing patched")
+    reason = adapter.unsupported()
+    if reason:
+        return Table(adapter.DISTRIBUTION, note=f"{version}: {reason}: left untouched, nothing patched")
+    return Table(adapter.DISTRIBUTION, adapter.PATCHES)
+
+
+def tables() -> list[Table]:
+    found = [Table("the media libraries", media_libraries.PATCHES)]
+    found += [Table(patches.label, patches) for patches in torch_dataloader._patches.values()]
+    return found + [_host_table(host) for host in integrations.known_hosts()]
+
+
+def _import_targets(patches) -> None:
+    for module in patches.modules + tuple(decode.module for decode in patches.decode_functions):
+        if moved_targets.module_file_exists(module):
+            try:
+                importlib.import_module(module)
+            except Exception:  # a module this environment cannot import (Megatron without megatron-core)
+                pass
+
+
+def checked() -> list[Table]:
+    """Every table, its targets' modules imported, with its findings."""
+    found = tables()
+    for table in found:
+        if table.patches is not None:
+            _import_targets(table.patches)
+            table.findings = table.patches.check()
+    return found
+
+
+def report(out=sys.stdout) -> int:
+    """Print every target's state and the problems; 0 either way (they are findings)."""
+    def say(text=""):
+        print(text, file=out, flush=True)
+
+    problems = 0
+    for table in checked():
+        say(f"{table.label}" + (f": {table.note}" if table.note else ""))
+        if table.patches is None:
+            continue
+        for target in table.patches.targets:
+            if not target.only_if_missing:
+                say(f"  {moved_targets.state(target):<22} {target.module}.{target.name}")
+        for finding in table.findings:
+            say(f"  {finding.problem.upper():<22} {finding.message()}")
+        problems += len(table.findings)
+    say(f"\n{problems} problem(s): " + ("none; every target that should exist here does, as recorded"
+                                        if not problems else "each is logged as a WARNING when protection starts"))
+    return 0
+
+
+def problems() -> list:
+    """The findings of every table (``doctor``)."""
+    return [finding for table in checked() for finding in table.findings]
