@@ -7,6 +7,7 @@ the script and line. A guarded script keeps its start method. Real scripts, each
 import os
 import subprocess
 import sys
+import re
 import textwrap
 
 import pytest
@@ -184,3 +185,60 @@ def test_a_script_that_does_more_than_define_is_not(tmp_path, name):
     script.write_text(DOES_MORE[name])
     assert not spawn_guard.only_imports_and_defines(str(script))
     assert not spawn_guard.only_imports_and_defines(str(tmp_path / "missing.py"))
+
+
+# Every way a user runs Python (issue 43): the dataset defined in the main module, iterated by
+# a DataLoader with 2 workers under enable(). A child of spawn or forkserver cannot import a
+# main module that is no file (python -, python -c, IPython as in a notebook): those fork, as stock PyTorch does; a file,
+# or a module run with -m, keeps the warm forkserver. The batches are stock's either way.
+OWN_DATASET = """import os, sys
+import torch
+import swift_safe_media
+from torch.utils.data import DataLoader, Dataset
+class Squares(Dataset):
+    def __len__(self):
+        return 6
+    def __getitem__(self, index):
+        return torch.tensor([index * index, int(sys.modules["__main__"].__name__ == "__mp_main__")])
+
+if __name__ == "__main__":
+    if os.environ.get("PROTECTED") == "1":
+        swift_safe_media.enable()
+    loader = DataLoader(Squares(), batch_size=2, num_workers=2)
+    print("BATCHES", [batch.tolist() for batch in loader], flush=True)
+
+"""
+IPYTHON = ["-m", "IPython", "--simple-prompt", "--no-banner", "--colors=NoColor"]
+RUN_AS = {"file": lambda path: [str(path)], "module": lambda path: ["-m", path.stem],
+          "-c": lambda path: ["-c", OWN_DATASET], "stdin": lambda path: ["-"], "ipython": lambda path: IPYTHON}
+
+
+def _batches(tmp_path, mode: str, protected: bool):
+    script = tmp_path / "own_dataset.py"
+    script.write_text(OWN_DATASET)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), str(tmp_path)])
+    env["PROTECTED"] = "1" if protected else "0"
+    done = subprocess.run([sys.executable, *RUN_AS[mode](script)], input=OWN_DATASET if mode in ("stdin", "ipython")
+                          else None, capture_output=True, text=True, env=env, timeout=150, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return re.findall(r"BATCHES .*", done.stdout), done.stderr + done.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", list(RUN_AS))
+def test_a_dataset_of_the_main_module_works_however_python_runs_it(tmp_path, mode):
+    stock, _ = _batches(tmp_path, mode, protected=False)
+    ours, stderr = _batches(tmp_path, mode, protected=True)
+    # Stock forks: its workers see the parent's __main__ (the flag 0).
+    assert stock == ["BATCHES [[[0, 0], [1, 0]], [[4, 0], [9, 0]], [[16, 0], [25, 0]]]"], stock
+    forked = [line for line in stderr.splitlines() if "so this DataLoader forks its workers, as stock" in line]
+    if mode == "ipython":  # IPython prints the log line after its prompt
+        forked = [line[line.index("swift_safe_media:"):] for line in forked]
+    if mode in ("file", "module"):  # from the warm forkserver: the children imported the script as __mp_main__
+        assert ours == ["BATCHES [[[0, 1], [1, 1]], [[4, 1], [9, 1]], [[16, 1], [25, 1]]]"], ours
+        assert not forked, stderr[-3000:]
+    else:
+        assert ours == stock and len(forked) == 1, stderr[-3000:]
+        assert ("<stdin>, which a child cannot run" if mode == "stdin" else "defined in a main module without a file") \
+            in forked[0]

@@ -37,7 +37,7 @@ class Inputs:
         return self.given[name]
 
 
-CHOSEN_AND_CHECKED = dict(main_would_rerun=None)  # rows 6 and 7 read these for spawn/forkserver
+CHOSEN_AND_CHECKED = dict(main_would_rerun=None, main_unreachable=None)  # rows 6 and 7 read these
 
 
 def test_row_1_a_hosts_preference_wins():
@@ -92,14 +92,26 @@ def test_row_6_workers_that_would_rerun_an_unguarded_script_fork_with_a_warning(
     assert decide(Inputs(host_prefers="fork")).rule == 1
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_row_6_workers_that_could_not_import_the_main_module_fork_with_a_warning(method):
+    why = "the main script is <stdin>, which a child cannot run"
+    decision = decide(Inputs(host_prefers=None, named=True, current=method, main_would_rerun=None,
+                             main_unreachable=why))
+    assert (decision.method, decision.rule, decision.writes) == ("fork", 6, True)
+    assert decision.warning == ("__main__", f"swift_safe_media: {why}, so this DataLoader forks its workers, as "
+                                            f"stock PyTorch's do, instead of starting them by {method} "
+                                            f"(decodes are still bounded)")
+
+
 def test_row_7_a_forkserver_with_threads_means_spawned_workers_with_a_warning():
     decision = decide(Inputs(host_prefers=None, named=False, configured="forkserver", unpicklable=None,
-                             main_would_rerun=None, forkserver_problem="the warm forkserver has 2 threads"))
+                             main_would_rerun=None, main_unreachable=None,
+                             forkserver_problem="the warm forkserver has 2 threads"))
     assert (decision.method, decision.rule, decision.writes) == ("spawn", 7, True)
     assert decision.warning == ("forkserver", "swift_safe_media: the warm forkserver has 2 threads; "
                                               "DataLoader workers are spawned instead")
     # Only the forkserver is asked about: spawn never waits for its report.
-    assert decide(Inputs(host_prefers="spawn", main_would_rerun=None)).method == "spawn"
+    assert decide(Inputs(host_prefers="spawn", main_would_rerun=None, main_unreachable=None)).method == "spawn"
 
 
 class Rows(torch.utils.data.Dataset):

@@ -36,7 +36,6 @@ import importlib.util
 import inspect
 import logging
 import multiprocessing
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -87,36 +86,12 @@ def distribution_of(module_name: str) -> str:
     return DISTRIBUTIONS.get(top, top)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # what is installed does not change during a run
 def version_of(distribution: str) -> str | None:
-    """The installed version of ``distribution``, read off its ``.dist-info`` folder's name
-    (the first on ``sys.path``, as importlib.metadata finds it): importlib.metadata parses
-    the whole METADATA file, 40 ms for transformers', at every start-up. Where no such
-    name says it (an egg-info install), importlib.metadata is asked."""
-    wanted = _normalized(distribution)
-    for entry in sys.path:
-        for name in _folder_names(entry or "."):
-            if name.endswith(".dist-info"):
-                # {name}-{version}.dist-info, the name's dashes written as underscores
-                found, _, version = name[:-len(".dist-info")].partition("-")
-                if version and _normalized(found) == wanted:
-                    return version
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _normalized(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
-@functools.lru_cache(maxsize=None)
-def _folder_names(entry: str) -> tuple[str, ...]:
-    try:
-        return tuple(os.listdir(entry))
-    except OSError:
-        return ()
 
 
 def version_tuple(text: str | None) -> tuple[int, ...]:

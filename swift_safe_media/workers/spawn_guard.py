@@ -9,7 +9,11 @@ then forks its workers, as stock PyTorch does on Linux, and one warning names th
 script and the line (chosen over an error: the script ran before protection was on,
 and protection still bounds every decode; only the workers' start method changes).
 The check is row 6 of the decision as each DataLoader starts its workers
-(:mod:`.start_method`).
+(:mod:`.start_method`), with its twin, :func:`main_unreachable`: a child that cannot import
+the main module at all (``python -`` names it ``<stdin>``, no file to run), or that needs
+the dataset's class from a main module without a file (``python -c``, the interactive
+interpreter, a notebook cell), would die as it starts; such a DataLoader forks its
+workers too, as stock PyTorch does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import ast
 import functools
 import multiprocessing
+import os
+import pickletools
 import sys
 import threading
 
@@ -40,6 +46,34 @@ def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, i
     if _is_guarded(path, line) or (imports_are_harmless and line in _import_lines(path)):
         return None
     return path, line
+
+
+def main_unreachable(pickled: bytes | None) -> str | None:
+    """Why a spawned or forkserver child could not have what it needs of the main module,
+    or None: the main module names a file that is not one (``python -`` names it
+    ``<stdin>``: CPython's child tries to run it and dies), or it has no file (``-c``, the
+    REPL, a notebook) and ``pickled`` (the dataset, collate_fn and worker_init_fn, as
+    pickle writes them) names something defined there, which a child cannot find."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return None  # python -m: a child imports it by name
+    path = getattr(main, "__file__", None)
+    if path:
+        return None if os.path.isfile(path) else f"the main script is {path}, which a child cannot run"
+    if pickled is not None and _names_main(pickled):
+        return ("the DataLoader's dataset, collate_fn or worker_init_fn is defined in a main module without a "
+                "file (python -c, stdin, the interactive interpreter, a notebook cell), which a child cannot import")
+    return None
+
+
+def _names_main(pickled: bytes) -> bool:
+    """Whether a pickle refers to a global of ``__main__`` (GLOBAL ``__main__ name``, or the
+    module string STACK_GLOBAL reads)."""
+    try:
+        return any(isinstance(argument, str) and (argument == "__main__" or argument.startswith("__main__ "))
+                   for _, argument, _ in pickletools.genops(pickled))
+    except Exception:  # unreadable: take it to name main (forking is stock's own way)
+        return True
 
 
 @functools.lru_cache(maxsize=8)

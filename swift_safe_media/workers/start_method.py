@@ -11,7 +11,9 @@ tests/test_start_method.py). Rows 1-5 choose the method; rows 6 and 7 then check
 4. the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled -> ``fork`` (warning);
 5. otherwise -> ``SWIFT_SAFE_MEDIA_MP_CONTEXT`` (the warm forkserver by default);
 6. the method is spawn or forkserver and the main script's running statement is outside
-   ``if __name__ == "__main__":`` (its children would run it again) -> ``fork`` (warning);
+   ``if __name__ == "__main__":`` (its children would run it again), or a child could not
+   import what it needs of the main module (``python -``; the dataset defined under
+   ``python -c``, the REPL or a notebook) -> ``fork`` (warning);
 7. the method is the warm forkserver and it has threads -> ``spawn`` (warning).
 
 Each input is read only when a rule needs it (pickling the dataset, reading the script,
@@ -25,6 +27,7 @@ import functools
 import logging
 import multiprocessing
 import pickle
+import sys
 from dataclasses import dataclass
 
 from .. import config
@@ -78,14 +81,19 @@ class StartInputs:
         return config.mp_context()
 
     @functools.cached_property
-    def unpicklable(self) -> str | None:
-        """Why the dataset, collate_fn or worker_init_fn cannot be pickled, or None."""
+    def pickled(self) -> bytes | Exception:
+        """The dataset, collate_fn and worker_init_fn as pickle writes them, or why it cannot."""
         loader = self.loader
         try:
-            pickle.dumps((loader.dataset, loader.collate_fn, loader.worker_init_fn))
+            return pickle.dumps((loader.dataset, loader.collate_fn, loader.worker_init_fn))
         except Exception as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
+            return exc
+
+    @functools.cached_property
+    def unpicklable(self) -> str | None:
+        """Why the dataset, collate_fn or worker_init_fn cannot be pickled, or None."""
+        failed = self.pickled
+        return f"{type(failed).__name__}: {failed}" if isinstance(failed, Exception) else None
 
     @functools.cached_property
     def dataset_type(self) -> str:
@@ -97,6 +105,17 @@ class StartInputs:
         if multiprocessing.parent_process() is not None:
             return None
         return spawn_guard.unguarded_main_statement()
+
+    @functools.cached_property
+    def main_unreachable(self) -> str | None:
+        """Why a spawned or forkserver child could not import what it needs of the main
+        module; None when it can, or in a child process."""
+        if multiprocessing.parent_process() is not None:
+            return None
+        main = sys.modules.get("__main__")
+        needs_pickle = not getattr(main, "__file__", None) and not getattr(getattr(main, "__spec__", None), "name", None)
+        pickled = self.pickled if needs_pickle else None  # the dataset is read only for a main without a file
+        return spawn_guard.main_unreachable(pickled if isinstance(pickled, bytes) else None)
 
     @functools.cached_property
     def forkserver_problem(self) -> str | None:
@@ -116,6 +135,10 @@ def decide(inputs) -> Decision:
             f"`if __name__ == \"__main__\":`; {method} workers would run the script again and the run would "
             f"hang, so this DataLoader forks its workers instead. Put the training code under that guard to "
             f"get {method} workers.")))
+    if method in spawn_guard.RERUN_BY_CHILDREN and inputs.main_unreachable is not None:
+        return Decision("fork", 6, ("__main__", (
+            f"swift_safe_media: {inputs.main_unreachable}, so this DataLoader forks its workers, as stock "
+            f"PyTorch's do, instead of starting them by {method} (decodes are still bounded)")))
     if method == FORKSERVER and inputs.forkserver_problem is not None:
         return Decision("spawn", 7, (FORKSERVER, f"swift_safe_media: {inputs.forkserver_problem}; "
                                                  f"DataLoader workers are spawned instead"))
