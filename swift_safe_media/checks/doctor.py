@@ -197,12 +197,14 @@ def _say_targets(say, installed_hosts) -> None:
     from . import targets
 
     try:
-        found = targets.problems()
+        found, not_imported = targets.problems()
     except Exception as exc:  # never stop the doctor: say it could not look
         say(_line("patch targets", f"could not be checked ({type(exc).__name__}: {exc})", "UNKNOWN"))
         return
     if not found:
-        say(_line("patch targets", "every target that should exist here does, as recorded", "ok"))
+        unchecked = (f"; unchecked in {', '.join(not_imported)}, which do not import here, so no run here can "
+                     f"use them either (swift-safe-media targets says why)" if not_imported else "")
+        say(_line("patch targets", f"every target that should exist here does, as recorded{unchecked}", "ok"))
     for finding in found:
         say(_line("patch target", finding.message(), finding.problem.upper()))
 

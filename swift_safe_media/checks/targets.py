@@ -24,6 +24,7 @@ class Table:
     patches: object = None  # targets.Patches, or None where the host is left untouched
     note: str = ""  # why a host's table is not checked (not installed, outside its range, ...)
     findings: list = field(default_factory=list)
+    import_errors: dict = field(default_factory=dict)  # module -> why it did not import here
 
 
 def _host_table(host: str) -> Table:
@@ -47,13 +48,17 @@ def tables() -> list[Table]:
     return found + [_host_table(host) for host in integrations.known_hosts()]
 
 
-def _import_targets(patches) -> None:
-    for module in patches.modules + tuple(decode.module for decode in patches.decode_functions):
+def _import_targets(patches) -> dict:
+    """Import each module of the table that is there; returns module -> why it did not import."""
+    errors = {}
+    wanted = [target.module for target in patches.targets if moved_targets.expected_here(target)]
+    for module in dict.fromkeys(wanted + [decode.module for decode in patches.decode_functions]):
         if moved_targets.module_file_exists(module):
             try:
                 importlib.import_module(module)
-            except Exception:  # a module this environment cannot import (Megatron without megatron-core)
-                pass
+            except Exception as exc:  # a module this environment cannot import (Megatron without megatron-core)
+                errors[module] = f"{type(exc).__name__}: {exc}"
+    return errors
 
 
 def checked() -> list[Table]:
@@ -61,7 +66,7 @@ def checked() -> list[Table]:
     found = tables()
     for table in found:
         if table.patches is not None:
-            _import_targets(table.patches)
+            table.import_errors = _import_targets(table.patches)
             table.findings = table.patches.check()
     return found
 
@@ -71,22 +76,34 @@ def report(out=sys.stdout) -> int:
     def say(text=""):
         print(text, file=out, flush=True)
 
-    problems = 0
+    problems = unchecked = 0
     for table in checked():
         say(f"{table.label}" + (f": {table.note}" if table.note else ""))
         if table.patches is None:
             continue
         for target in table.patches.targets:
             if not target.only_if_missing:
-                say(f"  {moved_targets.state(target):<22} {target.module}.{target.name}")
+                state = moved_targets.state(target)
+                if state == moved_targets.NOT_IMPORTED and target.module in table.import_errors:
+                    state = f"{state} ({table.import_errors[target.module]}: unchecked)"
+                    unchecked += 1
+                say(f"  {state:<22} {target.module}.{target.name}")
         for finding in table.findings:
             say(f"  {finding.problem.upper():<22} {finding.message()}")
         problems += len(table.findings)
-    say(f"\n{problems} problem(s): " + ("none; every target that should exist here does, as recorded"
-                                        if not problems else "each is logged as a WARNING when protection starts"))
+    if problems:
+        say(f"\n{problems} problem(s): each is logged as a WARNING when protection starts")
+    else:
+        say("\n0 problem(s): " + ("every target that should exist here does, as recorded" if not unchecked
+                                   else "among the targets checked"))
+    if unchecked:
+        say(f"{unchecked} target(s) unchecked: their module does not import here (see above)")
     return 0
 
 
-def problems() -> list:
-    """The findings of every table (``doctor``)."""
-    return [finding for table in checked() for finding in table.findings]
+def problems() -> tuple[list, list]:
+    """The findings of every table, and the modules of the tables that did not import here
+    (``doctor``)."""
+    tables = checked()
+    return ([finding for table in tables for finding in table.findings],
+            sorted({module for table in tables for module in table.import_errors}))
