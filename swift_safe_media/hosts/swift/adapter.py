@@ -78,8 +78,14 @@ TARGETS = (
     # swift infer, deploy and GRPO rollouts: a row or a request whose media fail fails alone.
     *swift_inference.TARGETS,
 )
-# ms-swift's loaders: a new one (a name of this shape that no row above covers) is named at start-up.
-DECODE_FUNCTIONS = (DecodeFunctions("swift.template.vision_utils", r"^load_(video|audio)"),)
+# ms-swift's loaders and the Qwen utils' video readers: a new one (a name of this shape that no row
+# above covers, nor is one of the backends fetch_video calls) is named at start-up.
+_QWEN_BACKENDS = ("_read_video_torchvision", "_read_video_decord", "_read_video_torchcodec")
+DECODE_FUNCTIONS = (
+    DecodeFunctions("swift.template.vision_utils", r"^load_(video|audio)"),
+    *(DecodeFunctions(module, r"^(fetch_video|_read_video_)", inner=_QWEN_BACKENDS)
+      for module in ("qwen_vl_utils.vision_process", "qwen_omni_utils.v2_5.vision_process")),
+)
 # Where copies of the host functions may live ("swift." and not "swift": not us).
 SCOPE = ("swift.", "qwen_vl_utils", "qwen_omni_utils")
 FLAG_MODULES = ("swift.utils.utils",)
