@@ -94,6 +94,10 @@ $(LLAMAFACTORY_STAMP): requirements-llamafactory.txt $(WHEEL) | ffmpeg
 	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps -r requirements-llamafactory.txt
 	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
 	$(LLAMAFACTORY_PY) -m pip check
+	@# tests/test_llamafactory_map.py: datasets 4.8 on call the map's pool as mp.Pool (4.0-4.7 by a copied
+	@# name); 5.2 kept aside (its other requirements are met by the pins above), first on the path of one run.
+	$(LLAMAFACTORY_PY) -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
+		--target $(LLAMAFACTORY_VENV)/test-extras/datasets-5.2.0 datasets==5.2.0
 	@touch $(LLAMAFACTORY_STAMP)
 
 # Prints the path of a Python 3.12: $(PYTHON312), python3.12 on PATH, pyenv's, uv's, or one
@@ -167,3 +171,53 @@ dist: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) $(LLAMAFACTORY_VENV) dist
+
+# `make newest`: release day for every dependency at once. One venv, .venv-newest/, on Python 3.12
+# (LeRobot 0.5+ needs it), with the newest release of torch, torchvision, torchcodec, transformers,
+# datasets, PyAV, numpy, our own dependencies, the test libraries of requirements-test.txt (pins
+# taken off) and each host. The hosts cap their dependencies (ms-swift transformers<5.20, LeRobot
+# torch<2.12, LLaMA-Factory transformers<=5.6 and datasets<=4.0, ...) and pip would honour the caps
+# by going back to older releases: so the hosts go in with --no-deps, then what they require that is
+# still missing, unpinned, the core held at its newest (-c core.txt). Left out: torchaudio (LLaMA-
+# Factory imports it, but its last release refuses to load beside a newer torch) and gradio (LLaMA-
+# Factory's web UI; it caps pillow). Kept at requirements-test.txt's pins, as test scaffolding:
+# megatron-core and mcore-bridge (tests/megatron_shim.py fakes Transformer Engine as they read it),
+# and moviepy, without its deps (its decorator<5 would take librosa back): ms-swift's stock Ovis
+# loaders, a parity reference, import moviepy.editor, gone in moviepy 2. Then tools/newest.py runs
+# the parity, hang and host-entry tests there and writes build/newest-report.md. Not part of
+# `make test`; remove .venv-newest/ to take the releases out since it was built. pip reads no
+# configuration file: the releases come from PyPI, as on a user's machine.
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_PIP := $(NEWEST_PY) -m pip --disable-pip-version-check
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+NEWEST_CORE := torch torchvision torchcodec transformers datasets av numpy pillow soundfile soxr tqdm
+NEWEST_HOSTS := ms-swift lerobot llamafactory
+NEWEST_HELD := megatron-core mcore-bridge
+NEWEST_LEFT_OUT := torchaudio gradio
+newest_or = $(subst $(eval) ,|,$(strip $(1)))
+
+.PHONY: newest
+newest $(NEWEST_STAMP): export PIP_CONFIG_FILE := /dev/null
+
+$(NEWEST_STAMP): requirements-test.txt $(WHEEL) | ffmpeg build-tools
+	@if [ ! -x $(NEWEST_PY) ]; then python312="$$($(MAKE) --no-print-directory -s python3.12)" && \
+		"$$python312" -m venv $(NEWEST_VENV); fi
+	$(NEWEST_PIP) install --quiet --upgrade pip
+	$(NEWEST_PIP) install --quiet --upgrade $(NEWEST_CORE)
+	$(NEWEST_PIP) freeze | grep -iE '^($(call newest_or,$(NEWEST_CORE)))==' > $(NEWEST_VENV)/core.txt
+	sed -e 's/#.*//' -e 's/ //g' -e '/^$$/d' requirements-test.txt | grep -viE '^($(call newest_or,$(NEWEST_HOSTS)))==' \
+		| grep -viE '^($(call newest_or,$(NEWEST_HELD) moviepy))==' | sed 's/[=<>!~].*//' > $(NEWEST_VENV)/test.txt
+	grep -iE '^($(call newest_or,$(NEWEST_HELD)))==' requirements-test.txt >> $(NEWEST_VENV)/test.txt || true
+	$(NEWEST_PIP) install --quiet --upgrade -c $(NEWEST_VENV)/core.txt -r $(NEWEST_VENV)/test.txt
+	@# minicpmo-utils (the coverage tests) pins librosa, moviepy and pillow: without its deps too.
+	$(NEWEST_PIP) install --quiet --upgrade --no-deps $(NEWEST_HOSTS) minicpmo-utils \
+		$$(grep -i '^moviepy==' requirements-test.txt)
+	missing="$$($(NEWEST_PIP) check | sed -n 's/.* requires \([^,]*\), which is not installed\.$$/\1/p' \
+		| sort -u | grep -viE '^($(call newest_or,$(NEWEST_LEFT_OUT)))$$')"; \
+		[ -z "$$missing" ] || $(NEWEST_PIP) install --quiet -c $(NEWEST_VENV)/core.txt $$missing
+	$(NEWEST_PIP) install --quiet --no-deps --force-reinstall $(WHEEL_DIR)/*.whl
+	@touch $(NEWEST_STAMP)
+
+newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) tools/newest.py
