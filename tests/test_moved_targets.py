@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import sys
 
 import pytest
 
@@ -68,6 +67,12 @@ def moved_copy(where: pathlib.Path, package: pathlib.Path, old: str, new: str, f
     return where
 
 
+def host_copy(tmp_path, venv: str, package: str, old: str, new: str, **kwargs) -> tuple[str, pathlib.Path]:
+    """The python of ``venv``, and a :func:`moved_copy` of its installed ``package``."""
+    python = python_of(venv)
+    return python, moved_copy(tmp_path, site_packages(python, package), old, new, **kwargs)
+
+
 def run_protected(python: str, imports: str, hosts: str, copy: pathlib.Path | None, timeout: float = 240):
     code = (f"import swift_safe_media\nswift_safe_media.enable(hosts={hosts})\n{imports}\n"
             "import swift_safe_media.patching.host_adapters as hosts\nprint('ENABLED', sorted(hosts.enabled_hosts()))\n")
@@ -78,10 +83,9 @@ def run_protected(python: str, imports: str, hosts: str, copy: pathlib.Path | No
 
 
 def test_llamafactory_with_a_media_read_renamed_is_named(tmp_path):
-    python = python_of(".venv-llamafactory")
-    package = site_packages(python, "llamafactory")
+    python, copy = host_copy(tmp_path, ".venv-llamafactory", "llamafactory", "_regularize_videos",
+                             "_regularize_video_inputs")
     imports = "import llamafactory.data.mm_plugin, llamafactory.data.loader"
-    copy = moved_copy(tmp_path, package, "_regularize_videos", "_regularize_video_inputs")
     warnings, _ = run_protected(python, imports, "['llamafactory']", copy)
     wanted = [line for line in warnings
               if "llamafactory 0.9.5: llamafactory.data.mm_plugin.MMPluginMixin._regularize_videos is missing" in line]
@@ -107,9 +111,8 @@ def test_llamafactory_with_a_media_read_renamed_is_named(tmp_path):
 
 
 def test_llamafactory_with_a_module_moved_is_named(tmp_path):
-    python = python_of(".venv-llamafactory")
-    package = site_packages(python, "llamafactory")
-    copy = moved_copy(tmp_path, package, "tuner", "tuning")  # llamafactory/train/tuner.py -> tuning.py
+    # llamafactory/train/tuner.py -> tuning.py
+    python, copy = host_copy(tmp_path, ".venv-llamafactory", "llamafactory", "tuner", "tuning")
     imports = "import llamafactory.train.tuning, llamafactory.data.loader"
     warnings, _ = run_protected(python, imports, "['llamafactory']", copy)
     assert any("llamafactory 0.9.5: llamafactory.train.tuner._training_function is missing: its module "
@@ -117,10 +120,8 @@ def test_llamafactory_with_a_module_moved_is_named(tmp_path):
 
 
 def test_ms_swift_with_a_loader_renamed_is_named_and_the_new_name_too(tmp_path):
-    python = python_of(".venv")
-    package = site_packages(python, "swift")
+    python, copy = host_copy(tmp_path, ".venv", "swift", "load_video_llava", "load_video_llava_frames")
     imports = "import swift.template, swift.template.vision_utils"
-    copy = moved_copy(tmp_path, package, "load_video_llava", "load_video_llava_frames")
     warnings, _ = run_protected(python, imports, "['swift']", copy)
     assert any("ms-swift 4.6.0: swift.template.vision_utils.load_video_llava is missing" in line
                and "(ms-swift)" in line for line in warnings), warnings
@@ -133,11 +134,9 @@ def test_ms_swift_with_a_loader_renamed_is_named_and_the_new_name_too(tmp_path):
 
 
 def test_ms_swift_loader_whose_parameters_changed_is_named_and_left_as_stock(tmp_path):
-    python = python_of(".venv")
-    package = site_packages(python, "swift")
     # A new parameter, as a release would add one: the twin knows only (video).
-    copy = moved_copy(tmp_path, package, "def load_video_cogvlm2(video: Union[str, bytes])",
-                      "def load_video_cogvlm2(video: Union[str, bytes], num_frames: int = 24)")
+    python, copy = host_copy(tmp_path, ".venv", "swift", "def load_video_cogvlm2(video: Union[str, bytes])",
+                             "def load_video_cogvlm2(video: Union[str, bytes], num_frames: int = 24)")
     imports = ("import swift.template.vision_utils as vu\n"
                "print('OURS' if hasattr(vu.load_video_cogvlm2, '__swift_safe_media_original__') else 'STOCK')\n"
                "print('LLAVA', 'OURS' if hasattr(vu.load_video_llava, '__swift_safe_media_original__') else 'STOCK')")
@@ -149,10 +148,8 @@ def test_ms_swift_loader_whose_parameters_changed_is_named_and_left_as_stock(tmp
 
 @pytest.mark.parametrize("venv", [".venv-lerobot", ".venv-lerobot-0.6"])
 def test_lerobot_with_its_decode_renamed_is_named(tmp_path, venv):
-    python = python_of(venv)
-    package = site_packages(python, "lerobot")
+    python, copy = host_copy(tmp_path, venv, "lerobot", "decode_video_frames", "decode_frames")
     imports = "import lerobot.datasets.lerobot_dataset, lerobot.datasets.video_utils"
-    copy = moved_copy(tmp_path, package, "decode_video_frames", "decode_frames")
     warnings, _ = run_protected(python, imports, "['lerobot']", copy)
     assert len(warnings) == 1, warnings
     assert re.search(r"lerobot 0\.[46]\.\d+: no known layout .* lacks [^)]*lerobot\.datasets\.video_utils\."
@@ -163,9 +160,8 @@ def test_lerobot_with_its_decode_renamed_is_named(tmp_path, venv):
 
 
 def test_torch_dataloader_with_a_patched_method_renamed_is_named(tmp_path):
-    python = python_of(".venv")
-    package = site_packages(python, "torch")
-    copy = moved_copy(tmp_path, package, "_try_get_data", "_try_get_batch", files=("*/utils/data/*.py",))
+    python, copy = host_copy(tmp_path, ".venv", "torch", "_try_get_data", "_try_get_batch",
+                             files=("*/utils/data/*.py",))
     imports = "import torch.utils.data"
     warnings, _ = run_protected(python, imports, "[]", copy)
     wanted = "torch.utils.data.dataloader._MultiProcessingDataLoaderIter._try_get_data is missing"
@@ -181,7 +177,6 @@ def test_a_target_absent_by_design_is_quiet_and_one_that_should_be_there_is_not(
     not hold here is absent by design; without one, it must exist wherever its
     distribution is installed."""
     code = """
-import sys
 from swift_safe_media.patching import moved_targets
 from swift_safe_media.patching.targets import Target
 import soundfile

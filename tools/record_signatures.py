@@ -16,7 +16,6 @@ their layouts (hosts/lerobot/layouts.py) and are not recorded here.
 
 from __future__ import annotations
 
-import importlib
 import pathlib
 import sys
 
@@ -30,41 +29,27 @@ compares the installed function with the newest release recorded at or below the
 '''
 
 
-def tables():
-    """Every target table but LeRobot's, each with the Patches that resolves its stand-ins."""
-    from swift_safe_media.patching import media_libraries, torch_dataloader
-
-    found = [media_libraries.PATCHES, *torch_dataloader._patches.values()]
-    for adapter in ("swift_safe_media.hosts.swift.adapter", "swift_safe_media.hosts.llamafactory.adapter"):
-        try:
-            found.append(importlib.import_module(adapter).PATCHES)
-        except ImportError as exc:
-            print(f"skipped {adapter}: {exc}", file=sys.stderr)
-    return found
-
-
 def record(existing: dict) -> dict:
-    sys.path.insert(0, str(ROOT))
+    """``existing`` with the parameters the installed releases give each target, from every
+    table ``swift-safe-media targets`` checks (its modules imported the same way), but LeRobot's."""
+    from swift_safe_media.checks import targets
     from swift_safe_media.patching import moved_targets
 
-    for patches in tables():
-        for target in patches.targets:
-            distribution = moved_targets.distribution_of(target.module)
-            version = moved_targets.version_of(distribution)
-            if version is None or target.only_if_missing:
-                continue
-            try:
-                importlib.import_module(target.module)
-                stand_in = patches.stand_in(target)
-            except Exception as exc:  # a module this venv cannot import (Megatron, say)
-                print(f"skipped {target.module}.{target.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                continue
+    for table in targets.checked():
+        if table.patches is None or table.label == "lerobot":  # LeRobot's layouts carry their parameters
+            continue
+        for module, why in table.import_errors.items():
+            print(f"skipped {module}: {why}", file=sys.stderr)
+        for target in table.patches.targets:
             function = moved_targets.lookup(target)
-            if function is None or moved_targets.forwards_everything(stand_in):
+            if target.only_if_missing or function is None:
+                continue
+            if moved_targets.forwards_everything(table.patches.stand_in(target)):
                 continue
             parameters = moved_targets.parameters_of(function)
+            distribution = moved_targets.distribution_of(target.module)
             if parameters is not None:
-                existing.setdefault(distribution, {}).setdefault(version, {})[
+                existing.setdefault(distribution, {}).setdefault(moved_targets.version_of(distribution), {})[
                     f"{target.module}.{target.name}"] = parameters
     return existing
 

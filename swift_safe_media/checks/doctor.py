@@ -65,10 +65,8 @@ def hosts_found() -> list[tuple[str, str | None, str, bool]]:
     for host in [host for host in hook._HOSTS if host in known] + [host for host in known if host not in hook._HOSTS]:
         adapter = integrations.adapter_for(host)
         version = adapter.get_version()
-        lowest, first_unsupported = adapter.SUPPORTED
-        supported = version is not None and lowest <= integrations.parse_version(version) < first_unsupported
-        span = f">={'.'.join(map(str, lowest))},<{'.'.join(map(str, first_unsupported))}"
-        rows.append((adapter.DISTRIBUTION, version, span, supported))
+        rows.append((adapter.DISTRIBUTION, version, integrations.supported_range(adapter.SUPPORTED),
+                     integrations.in_supported_range(adapter, version)))
     return rows
 
 
@@ -192,7 +190,7 @@ def _say_decoders(say, findings) -> None:
         say(_line("pairing", f"torch {torch_version} goes with {wanted} (torchcodec's table); {verdict}"))
 
 
-def _say_targets(say, installed_hosts) -> None:
+def _say_targets(say) -> None:
     """The patch targets the installed releases lack or changed (swift-safe-media targets)."""
     from . import targets
 
@@ -231,7 +229,7 @@ def report(out=sys.stdout) -> int:
         state = "not installed" if version is None else f"{version}, {'supported' if supported else 'NOT supported'}"
         say(_line(name, f"{state} ({span})", "" if version is None else "ok" if supported else "untouched"))
 
-    _say_targets(say, installed_hosts)
+    _say_targets(say)
 
     say("\nsettings (flag > environment > default)")
     rows = settings_in_effect()

@@ -32,10 +32,9 @@ def _host_table(host: str) -> Table:
     version = adapter.get_version()
     if version is None:
         return Table(adapter.DISTRIBUTION, note="not installed")
-    lowest, first_unsupported = adapter.SUPPORTED
-    if not lowest <= integrations.parse_version(version) < first_unsupported:
+    if not integrations.in_supported_range(adapter, version):
         return Table(adapter.DISTRIBUTION, note=f"{version} is outside the supported range "
-                                                f"{integrations._range(adapter.SUPPORTED)}: left untouched, nothing patched")
+                                                f"{integrations.supported_range(adapter.SUPPORTED)}: left untouched, nothing patched")
     reason = adapter.unsupported()
     if reason:
         return Table(adapter.DISTRIBUTION, note=f"{version}: {reason}: left untouched, nothing patched")

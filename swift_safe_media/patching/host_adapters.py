@@ -17,14 +17,13 @@ logged, and training goes on without protection rather than not at all.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import logging
 import pkgutil
-import re
 
 from .. import config
 from . import import_hooks as _imports
+from .versions import installed_version, parse_version  # noqa: F401 (the adapters' and checks' import)
 
 log = logging.getLogger("swift_safe_media")
 
@@ -39,23 +38,17 @@ def env_state() -> bool | None:
     return config.enabled_by_environment()
 
 
-def parse_version(text: str | None) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text or "")[:3])
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def in_supported_range(adapter, version: str | None) -> bool:
+    """Whether ``version`` of the adapter's host is installed and inside its ``SUPPORTED``."""
+    lowest, first_unsupported = adapter.SUPPORTED
+    return version is not None and lowest <= parse_version(version) < first_unsupported
 
 
 def is_supported(adapter) -> bool:
     version = adapter.get_version()
-    lowest, first_unsupported = adapter.SUPPORTED
-    if not (version is not None and lowest <= parse_version(version) < first_unsupported):
+    if not in_supported_range(adapter, version):
         _warn_once(adapter.HOST, f"swift_safe_media: {adapter.DISTRIBUTION} {version} is outside the "
-                                 f"supported range {_range(adapter.SUPPORTED)}; leaving it untouched")
+                                 f"supported range {supported_range(adapter.SUPPORTED)}; leaving it untouched")
         return False
     reason = adapter.unsupported()
     if reason:
@@ -65,7 +58,7 @@ def is_supported(adapter) -> bool:
     return True
 
 
-def _range(supported) -> str:
+def supported_range(supported) -> str:
     lowest, first_unsupported = supported
     return f">={'.'.join(map(str, lowest))},<{'.'.join(map(str, first_unsupported))}"
 
@@ -236,13 +229,9 @@ def enable_hosts(hosts=None) -> None:
 
 def _name_modules_gone(host: str) -> None:
     adapter = adapter_for(host)
-    version = adapter.get_version()
-    lowest, first_unsupported = adapter.SUPPORTED
-    if version is None or not lowest <= parse_version(version) < first_unsupported or adapter.unsupported():
+    if not in_supported_range(adapter, adapter.get_version()) or adapter.unsupported():
         return  # named as its modules are imported (is_supported), or not this host's package
-    from . import moved_targets
-
-    moved_targets.warn(adapter.PATCHES.check())
+    adapter.PATCHES.warn_what_moved()
 
 
 def disable_hosts() -> None:

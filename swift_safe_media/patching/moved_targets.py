@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
-import importlib.metadata
 import importlib.util
 import inspect
 import logging
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from .. import process
 from . import import_hooks, recorded_signatures
+from .versions import COMPARE, installed_version, parse_requirement, parse_version
 
 log = logging.getLogger("swift_safe_media")
 
@@ -86,35 +86,8 @@ def distribution_of(module_name: str) -> str:
     return DISTRIBUTIONS.get(top, top)
 
 
-@functools.lru_cache(maxsize=None)  # what is installed does not change during a run
-def version_of(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def version_tuple(text: str | None) -> tuple[int, ...]:
-    return tuple(int(part) for part in re.findall(r"\d+", text or "")[:3])
-
-
-_CLAUSE = re.compile(r"\s*(>=|<=|==|!=|<|>)\s*([0-9][0-9.]*)\s*")
-_COMPARE = {">=": tuple.__ge__, "<=": tuple.__le__, "==": tuple.__eq__, "!=": tuple.__ne__,
-            "<": tuple.__lt__, ">": tuple.__gt__}
-
-
-def parse_requirement(requirement: str) -> tuple[str, list[tuple[str, tuple[int, ...]]]]:
-    """``"datasets>=4.0,<4.8"`` -> ``("datasets", [(">=", (4, 0)), ("<", (4, 8))])``."""
-    name = re.match(r"\s*([A-Za-z0-9._-]+)", requirement)
-    if name is None:
-        raise ValueError(f"not a requirement: {requirement!r}")
-    clauses = []
-    for text in filter(None, requirement[name.end():].split(",")):
-        clause = _CLAUSE.fullmatch(text)
-        if clause is None:
-            raise ValueError(f"not a version clause in {requirement!r}: {text!r}")
-        clauses.append((clause[1], version_tuple(clause[2])))
-    return name[1], clauses
+# What is installed does not change during a run: each distribution is looked up once.
+version_of = functools.lru_cache(maxsize=None)(installed_version)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,9 +97,9 @@ def holds(requirement: str) -> bool | None:
     installed = version_of(name)
     if installed is None:
         return None
-    found = version_tuple(installed)
+    found = parse_version(installed)
     # Compare on the clause's own length: "<4.8" holds for 4.7.2, not for 4.8.0.
-    return all(_COMPARE[op](found[:len(bound)], bound) for op, bound in clauses)
+    return all(COMPARE[op](found[:len(bound)], bound) for op, bound in clauses)
 
 
 # -- where a target should be ----------------------------------------------------------------
@@ -202,22 +175,21 @@ def recorded_parameters(target) -> tuple[str | None, tuple[str, ...] | None]:
     """(release, parameters) recorded for ``target`` on the newest tested release of its
     distribution at or below the installed one; (None, None) where none applies."""
     distribution = distribution_of(target.module)
-    installed = version_tuple(version_of(distribution))
+    installed = parse_version(version_of(distribution))
     releases = recorded_signatures.SIGNATURES.get(distribution, {})
-    at_or_below = [release for release in releases if version_tuple(release) <= installed]
+    at_or_below = [release for release in releases if parse_version(release) <= installed]
     if not at_or_below:
         return None, None
-    release = max(at_or_below, key=version_tuple)
+    release = max(at_or_below, key=parse_version)
     return release, releases[release].get(f"{target.module}.{target.name}")
 
 
-def signature_change(target, stand_in) -> str | None:
-    """How the host's function now differs from what ``stand_in`` was written for, or
-    None (same, nothing recorded, or a stand-in that forwards everything)."""
+def signature_change(target, function, stand_in) -> str | None:
+    """How the host's ``function`` (the target, looked up) now differs from what ``stand_in``
+    was written for, or None (same, nothing recorded, or a stand-in that forwards everything)."""
     if getattr(target, "only_if_missing", False) or forwards_everything(stand_in):
         return None
-    function = lookup(target)
-    return None if function is None else _compared(target, function)
+    return _compared(target, function)
 
 
 @functools.lru_cache(maxsize=None)  # checked at each import that triggers the table: once is enough
@@ -251,11 +223,12 @@ def check(table: str, targets, stand_in_of, decode_functions=()) -> list[Finding
         if target.module in sys.modules:
             if not import_hooks.done_executing(target.module):
                 continue  # what it has not defined yet is checked when it is done
-            if lookup(target) is None:
+            function = lookup(target)
+            if function is None:
                 findings.append(_finding(table, target, MOVED, "is missing (renamed or moved?)",
                                          _RUNS_AS_STOCK_RENAMED))
                 continue
-            change = signature_change(target, stand_in_of(target))
+            change = signature_change(target, function, stand_in_of(target))
             if change:
                 findings.append(_finding(table, target, SIGNATURE, change,
                                          f"its calls run as stock, with no timeout and no sandbox "

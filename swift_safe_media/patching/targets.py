@@ -241,6 +241,11 @@ class Patches:
         should have and lacks, as far as can be seen now (moved_targets.check)."""
         return moved_targets.check(self.label, self.targets, self.stand_in, self.decode_functions)
 
+    def warn_what_moved(self) -> None:
+        """The check's warnings without patching: for a table none of whose modules is loaded
+        yet, whose gone modules would otherwise trigger nothing."""
+        moved_targets.warn(self.check())
+
     def unpatch(self) -> None:
         self._functions.restore()
         self._methods.restore()

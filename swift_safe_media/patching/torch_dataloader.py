@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from . import import_hooks, moved_targets
+from . import import_hooks
 from .targets import Patches, Target
 
 MODULE = "torch.utils.data.dataloader"
@@ -49,7 +49,7 @@ def patch(group: str) -> None:
     global _hooked
     _wanted.add(group)
     if MODULE not in sys.modules:  # a module of the table gone from this torch is named now, not never
-        moved_targets.warn(_patches[group].check())
+        _patches[group].warn_what_moved()
     if not _hooked:
         _hooked = True
         import_hooks.when_imported(MODULE, _apply)  # applies now if torch's DataLoader is loaded

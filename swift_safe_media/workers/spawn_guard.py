@@ -48,19 +48,21 @@ def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, i
     return path, line
 
 
-def main_unreachable(pickled: bytes | None) -> str | None:
+def main_unreachable(pickled) -> str | None:
     """Why a spawned or forkserver child could not have what it needs of the main module,
     or None: the main module names a file that is not one (``python -`` names it
     ``<stdin>``: CPython's child tries to run it and dies), or it has no file (``-c``, the
-    REPL, a notebook) and ``pickled`` (the dataset, collate_fn and worker_init_fn, as
-    pickle writes them) names something defined there, which a child cannot find."""
+    REPL, a notebook) and ``pickled()`` (the dataset, collate_fn and worker_init_fn, as
+    pickle writes them; None if they do not pickle) names something defined there, which a
+    child cannot find. ``pickled`` is called only in that last case."""
     main = sys.modules.get("__main__")
     if getattr(getattr(main, "__spec__", None), "name", None):
         return None  # python -m: a child imports it by name
     path = getattr(main, "__file__", None)
     if path:
         return None if os.path.isfile(path) else f"the main script is {path}, which a child cannot run"
-    if pickled is not None and _names_main(pickled):
+    data = pickled()
+    if data is not None and _names_main(data):
         return ("the DataLoader's dataset, collate_fn or worker_init_fn is defined in a main module without a "
                 "file (python -c, stdin, the interactive interpreter, a notebook cell), which a child cannot import")
     return None

@@ -27,7 +27,6 @@ import functools
 import logging
 import multiprocessing
 import pickle
-import sys
 from dataclasses import dataclass
 
 from .. import config
@@ -112,10 +111,7 @@ class StartInputs:
         module; None when it can, or in a child process."""
         if multiprocessing.parent_process() is not None:
             return None
-        main = sys.modules.get("__main__")
-        needs_pickle = not getattr(main, "__file__", None) and not getattr(getattr(main, "__spec__", None), "name", None)
-        pickled = self.pickled if needs_pickle else None  # the dataset is read only for a main without a file
-        return spawn_guard.main_unreachable(pickled if isinstance(pickled, bytes) else None)
+        return spawn_guard.main_unreachable(lambda: self.pickled if isinstance(self.pickled, bytes) else None)
 
     @functools.cached_property
     def forkserver_problem(self) -> str | None:
