@@ -231,6 +231,35 @@ def _run_queue_waits(pid: int) -> dict[int, int]:
     return waits
 
 
+_TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
+
+
+def _stolen_ns() -> float:
+    """ns of CPU time the hypervisor gave to other guests, per CPU of this machine: on a
+    shared virtual machine a thread the kernel counts as running may not run at all."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            fields = stat.readline().split()
+        return int(fields[8]) * _TICK_NS / (os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _waits_of_threads_born_since(pid: int, boot_seconds: float, waits: dict[int, int]) -> int:
+    """The most run-queue wait (ns) of a thread of ``pid`` started after ``boot_seconds``
+    (CLOCK_BOOTTIME): a decoder's threads start with the call, so all their wait is the call's."""
+    most = 0
+    for tid, ns in waits.items():
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                started = int(stat.read().rsplit(b")", 1)[1].split()[19]) * _TICK_NS / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+        if started >= boot_seconds:
+            most = max(most, ns)
+    return most
+
+
 def _throttled_ns() -> int:
     """ns this process's cgroups were throttled by a CPU quota (the largest of them)."""
     most = 0
@@ -249,7 +278,9 @@ class FairClock:
     Nothing is read while a call is within its timeout (a call costs no more than it did).
     At the deadline, the kernel's counters are read twice, a short window apart: the share
     of that window the sandbox was kept from a CPU, times the time before it, is what the
-    call lost before; from then on what it loses is measured."""
+    call lost before (or, where more, what the threads the call started lost: they are
+    counted whole); from then on what it loses is measured. Time the hypervisor stole from
+    this machine's CPUs counts as time kept from a CPU."""
 
     def __init__(self, pid: int, timeout: float, ceiling: float):
         self.pid, self.timeout, self.ceiling = pid, timeout, max(ceiling, 1.0)
@@ -259,17 +290,20 @@ class FairClock:
     def restart(self) -> None:
         """A new call begins (the next of a ``call_each`` batch)."""
         self.started = time.monotonic()
+        self.started_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
         self.deadline = self.started + self.timeout
         self.waited, self.capped = 0.0, False
-        self._mark = None  # (when, each thread's run-queue wait, throttled ns) at the first deadline
+        self._mark = None  # (when, each thread's run-queue wait, throttled ns, stolen ns) at the first deadline
+        self._before_mark = 0.0  # s the threads this call started waited before the mark
 
     def _kept_from_cpu_since_mark(self) -> float:
-        """Seconds since the mark the sandbox was runnable but not running, or throttled:
-        the most any one of its threads was (threads wait side by side, not in turn)."""
-        _, waits, throttled = self._mark
+        """Seconds since the mark the sandbox was runnable but not running, throttled, or
+        its CPU stolen by the hypervisor: the most any one of its threads was (threads wait
+        side by side, not in turn)."""
+        _, waits, throttled, stolen = self._mark
         now_waits = _run_queue_waits(self.pid)
         waited = max((ns - waits.get(tid, 0) for tid, ns in now_waits.items()), default=0)
-        return max(waited, _throttled_ns() - throttled, 0) / 1e9
+        return max(waited, _throttled_ns() - throttled, _stolen_ns() - stolen, 0) / 1e9
 
     def extend(self) -> bool:
         """At the deadline: move it by the time kept from a CPU so far (up to the ceiling).
@@ -278,14 +312,16 @@ class FairClock:
         if self.ceiling <= 1:
             return False
         if self._mark is None:
-            self._mark = (now, _run_queue_waits(self.pid), _throttled_ns())
+            waits = _run_queue_waits(self.pid)
+            self._mark = (now, waits, _throttled_ns(), _stolen_ns())
+            self._before_mark = _waits_of_threads_born_since(self.pid, self.started_boot, waits) / 1e9
             self.deadline = now + self.window
             return True
         marked = self._mark[0]
         since = self._kept_from_cpu_since_mark()
         share = min(since / max(now - marked, 1e-3), 1.0)
         most = self.timeout * (self.ceiling - 1)
-        self.waited = min(share * (marked - self.started) + since, most)
+        self.waited = min(max(share * (marked - self.started), self._before_mark) + since, most)
         self.capped = self.waited >= most - 1e-3
         self.deadline = self.started + self.timeout + self.waited
         return self.deadline - now > 0.005
