@@ -213,6 +213,11 @@ MAX_EXPANSION = _declare("SWIFT_SAFE_MEDIA_MAX_EXPANSION", INT, 4096,
 # refused by their length before decoding (64 MiB decodes in a fraction of a second).
 MAX_INLINE_BYTES = _declare("SWIFT_SAFE_MEDIA_MAX_INLINE_BYTES", INT, 64 << 20,
                             "bytes a `data:` URI or base64 string may decode to", above=0)
+# Serving (`swift deploy`): the media URLs of a request (hosts/swift/url_policy.py).
+SERVE_ALLOW_HOSTS = _declare("SWIFT_SAFE_MEDIA_SERVE_ALLOW_HOSTS", LIST, "",
+                             "host names, IP addresses and CIDR networks (comma-separated) whose internal "
+                             "addresses a request's media URL may reach while serving; every other internal "
+                             "address is refused")
 
 # The pre-flight check (preflight.py).
 PREFLIGHT = _declare("SWIFT_SAFE_MEDIA_PREFLIGHT", SWITCH, True,

@@ -3,7 +3,8 @@ playlist whose segment is a FIFO, a FIFO `.wav`), with the tiny Qwen2.5-Omni on 
 
 - `swift infer` over a dataset: every row answered, a failed row with an error record;
 - `swift deploy`: concurrent HTTP clients on 127.0.0.1, a failed request gets a 400 naming
-  the file, the others their answers, and the server goes on serving;
+  the file, the others their answers, and the server goes on serving; a media URL on an
+  internal address gets its 400 without a connection, unless the setting allows its host;
 - `swift export --to_cached_dataset`: the bad rows left out, one warning each, counted;
 - `swift rlhf --rlhf_type grpo`: a bad file in a rollout batch is replaced by a row chosen
   from the failed row itself (the same on every rank), and the batch keeps its size;
@@ -30,6 +31,7 @@ pytest.importorskip("swift.template", reason="ms-swift is in requirements-test.t
 from . import swift_scenario as scenario  # noqa: E402
 from .fresh import ROOT, clean_environment, run_python  # noqa: E402
 from .test_swift_e2e import free_port  # noqa: E402
+from .test_serve_url_policy import media_server, no_connection  # noqa: E402
 from .test_url_timeout import SLACK_S, _trickling_server, clip, warm  # noqa: E402,F401
 
 RUN_TIMEOUT = 420
@@ -38,6 +40,9 @@ MODEL = ["--model_type", "qwen2_5_omni", "--torch_dtype", "float32"]
 TIMEOUT_S = 5
 PROTECTED = ["--safe_media", "true", "--safe_media_timeout", str(TIMEOUT_S)]
 TRAINING_WORDS = "takes another sample"
+# While serving, media URLs on internal addresses are refused; the deploy test's media servers
+# listen on 127.0.0.2, which the server is told to allow (127.0.0.1 stays refused).
+MEDIA_HOST = "127.0.0.2"
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +151,13 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
     with open(log_path, "wb") as log:
         server = subprocess.Popen([scenario.SWIFT, "deploy", *args], stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT,
-                                  env=clean_environment({**scenario.RUN_ENV, "SWIFT_ALLOW_INTERNAL_URL": "1"}))
+                                  env=clean_environment({**scenario.RUN_ENV,
+                                                         "SWIFT_SAFE_MEDIA_SERVE_ALLOW_HOSTS": MEDIA_HOST}))
     try:
         assert _serving(port, server, RUN_TIMEOUT), log_path.read_text()[-4000:]
         # A media server that trickles a clip's bytes over two minutes: stock ms-swift's download
         # (a timeout per network operation) holds the request, and the server's event loop, for all of it.
-        trickle, url = _trickling_server(Path(built["good_0.mp4"]).read_bytes(), 120)
+        trickle, url = _trickling_server(Path(built["good_0.mp4"]).read_bytes(), 120, MEDIA_HOST)
         requests = [("video", built["good_0.mp4"]), ("video", built["playlist.mp4"]), ("video", built["good_1.mp4"]),
                     ("video", url), ("video", built["good_2.mp4"]), ("video", built["playlist.mp4"])]
         with concurrent.futures.ThreadPoolExecutor(len(requests)) as clients:
@@ -173,6 +179,7 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
         status, body, _ = _chat(port, "video", built["good_3.mp4"])  # still serving
         assert status == 200, body
         _a_trickling_url_holds_only_its_own_request(port, built)
+        _internal_media_urls_are_refused_unless_allowed(port, built)
         # Streamed: the 400 comes before the stream would begin; a good stream is as stock's.
         status, body, _ = _chat(port, "video", built["playlist.mp4"], stream=True)
         assert status == 400 and body["reason"] == BAD["playlist.mp4"], body
@@ -181,6 +188,8 @@ def test_swift_deploy_answers_a_bad_request_with_400_and_goes_on_serving(built, 
         assert server.poll() is None
         log = log_path.read_text(errors="replace")
         assert "its request is answered with HTTP 400" in log and TRAINING_WORDS not in log
+        assert re.search(r"swift_safe_media: refused http://127\.0\.0\.1:\d+/clip\.mp4: resolves to 127\.0\.0\.1, "
+                         r"a loopback address; .*its request is answered with HTTP 400", log), log[-4000:]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -194,7 +203,7 @@ def _a_trickling_url_holds_only_its_own_request(port: int, built):
     """While a URL trickles (ms-swift downloads media URLs in the server's event loop), the
     server answers the others; the URL's 400 comes at its timeout (download and decode
     share one), not later."""
-    trickle, url = _trickling_server(Path(built["good_0.mp4"]).read_bytes(), 120)
+    trickle, url = _trickling_server(Path(built["good_0.mp4"]).read_bytes(), 120, MEDIA_HOST)
     done = {}
 
     def timed(name, call):
@@ -220,6 +229,36 @@ def _a_trickling_url_holds_only_its_own_request(port: int, built):
     assert done["models"] < done["url"] and done["good"] < done["url"], done  # answered while it trickled
 
 
+def _internal_media_urls_are_refused_unless_allowed(port: int, built):
+    """Media URLs on internal addresses (issue 42): 127.0.0.1 and the metadata endpoint are
+    refused with a 400 naming the URL and why, before any connection (image, audio and video
+    alike), a redirect from the allowed host to 127.0.0.1 too; the allowed host's clip decodes."""
+    clip_bytes = Path(built["good_0.mp4"]).read_bytes()
+    internal, internal_url, reached = media_server("127.0.0.1", clip_bytes)
+    allowed, allowed_url, served = media_server(MEDIA_HOST, clip_bytes)
+    bouncer, bouncer_url, _ = media_server(MEDIA_HOST, redirect=f"{internal_url}/clip.mp4")
+    try:
+        for kind in ("video", "image_url", "audio"):
+            status, body, _ = _chat(port, kind, f"{internal_url}/clip.mp4")
+            assert status == 400 and body["file"] == f"{internal_url}/clip.mp4", body
+            assert body["reason"] == ("resolves to 127.0.0.1, a loopback address; internal addresses are refused "
+                                      "when serving (SWIFT_SAFE_MEDIA_SERVE_ALLOW_HOSTS)"), body
+        status, body, _ = _chat(port, "image_url", "http://169.254.169.254/latest/meta-data/iam/")
+        assert status == 400 and body["file"] == "http://169.254.169.254/latest/meta-data/iam/", body
+        assert "169.254.169.254, a link-local address (a cloud metadata endpoint)" in body["reason"], body
+        status, body, _ = _chat(port, "video", f"{bouncer_url}/clip.mp4")
+        assert status == 400 and body["file"] == f"{bouncer_url}/clip.mp4", body
+        assert body["reason"].startswith(f"redirected to {internal_url}/clip.mp4, which resolves to 127.0.0.1, "
+                                         "a loopback address"), body
+        assert no_connection(reached), reached
+        status, body, _ = _chat(port, "video", f"{allowed_url}/clip.mp4")  # the host the setting allows
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+        assert ("/clip.mp4", allowed_url.removeprefix("http://")) in served
+    finally:
+        for server in (internal, allowed, bouncer):
+            server.shutdown()
+
+
 def test_a_downloaded_url_and_its_decode_share_one_timeout(clip, warm, monkeypatch, tmp_path):
     """ms-swift's own `_materialize_media` (which downloads a request's media URL and writes
     it to a file) through the deploy patches: the decode of that file gets what the download
@@ -237,7 +276,7 @@ def test_a_downloaded_url_and_its_decode_share_one_timeout(clip, warm, monkeypat
     from .test_url_timeout import TIMEOUT_S as timeout
 
     monkeypatch.setattr(swift_inference.MODE, "name", "deploy")
-    monkeypatch.setenv("SWIFT_ALLOW_INTERNAL_URL", "1")
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_SERVE_ALLOW_HOSTS", "127.0.0.1")  # ms-swift's own check follows it
     stock_read = SafeUrlFetcher.read
     monkeypatch.setattr(SafeUrlFetcher, "read", classmethod(
         lambda fetcher, url, **kwargs: swift_serving.read_url_within_timeout(stock_read, fetcher, url, **kwargs)))

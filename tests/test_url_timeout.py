@@ -32,8 +32,9 @@ def clip(tmp_path_factory):
     return path.read_bytes()
 
 
-def _trickling_server(body: bytes, seconds: float):
-    """Serves ``body`` spread evenly over ``seconds`` (stops writing after a minute)."""
+def _trickling_server(body: bytes, seconds: float, host: str = "127.0.0.1"):
+    """Serves ``body`` spread evenly over ``seconds`` (stops writing after a minute), on
+    ``host`` (a loopback address: serving allows only the one it is told to)."""
 
     class Trickle(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -54,10 +55,10 @@ def _trickling_server(body: bytes, seconds: float):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    server = http.server.ThreadingHTTPServer((host, 0), Trickle)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/clip.mp4"
+    return server, f"http://{host}:{server.server_address[1]}/clip.mp4"
 
 
 @pytest.fixture

@@ -357,7 +357,10 @@ def protect_run(args) -> None:
     output_dir = getattr(trains, "output_dir", None)
     # Inference and export have no DataLoader workers: no warm forkserver for them.
     process.current().dataloader_workers_expected = bool(getattr(training or args, "dataloader_num_workers", 0))
-    swift_inference.choose_mode(args)
+    if swift_inference.choose_mode(args) == "deploy":
+        from . import url_policy
+
+        url_policy.allowed()  # a malformed SWIFT_SAFE_MEDIA_SERVE_ALLOW_HOSTS stops the server here, named
     folder = os.path.join(output_dir, RUN_FOLDER) if output_dir else swift_inference.run_folder(args)
     registry = None
     if folder and not config.is_set(config.QUARANTINE):

@@ -10,7 +10,9 @@ within the timeout; the server keeps serving the others.
   before the response begins, so a failed decode is a 400, not a cut stream.
 - ``SafeUrlFetcher.read``: ms-swift's download, whose timeout is per network operation,
   runs hop by hop in an unconfined sandbox within ``--safe_media_timeout``, each hop
-  checked by ms-swift's own ``check_url`` (the URLs downloaded beforehand are handed over).
+  checked first against internal addresses (:mod:`.url_policy`: refused with the request's
+  400 unless ``SWIFT_SAFE_MEDIA_SERVE_ALLOW_HOSTS`` allows it; connected to the addresses
+  checked), then by ms-swift's own ``check_url`` (the URLs downloaded beforehand are handed over).
 - ``SwiftDeploy._materialize_media``: the file ms-swift writes the download to is noted
   with what the download left of the timeout (:func:`..decoders.inputs.note_download`),
   so the download and the decode together get one timeout, as a URL does in training.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import re
 import sys
 import threading
@@ -28,7 +31,10 @@ import time
 from ... import config
 from ...records import summary
 from ...errors import MediaDecodeError
+from . import url_policy
 from .inference import MODE, describe, media_failure
+
+log = logging.getLogger("swift_safe_media")
 
 # --- the HTTP error names the file -------------------------------------------------------
 
@@ -184,19 +190,21 @@ def file_named_with_its_download(stock, value, media_type, temp_dir):
 
 
 def _download(fetcher, url: str, per_operation):
-    """ms-swift's download (``check_url`` on every hop, redirects followed one at a time,
-    its size cap), every hop in an unconfined sandbox, all within one timeout
-    (``--safe_media_timeout``): (body, seconds of the timeout left, the timeout). A
+    """ms-swift's download (redirects followed one at a time, its size cap), every hop
+    checked (:func:`_check_hop`) and fetched in an unconfined sandbox, all within one
+    timeout (``--safe_media_timeout``): (body, seconds of the timeout left, the timeout). A
     download that overruns it raises MediaDecodeTimeout (the request's HTTP 400)."""
     from urllib.parse import urljoin
 
     from ...engine.calls import fetch
 
+    requested = url
     timeout, max_size, deadline = config.timeout(), fetcher._max_download_size(), None
     for _ in range(fetcher.MAX_REDIRECTS + 1):
-        fetcher.check_url(url)
+        addresses = _check_hop(fetcher, url, requested)
         left = timeout if deadline is None else deadline - time.monotonic()
-        (kind, value), hop_deadline, _ = fetch(_get_one_hop, url, per_operation, max_size, path=url, timeout=left)
+        (kind, value), hop_deadline, _ = fetch(_get_one_hop, url, per_operation, max_size, addresses,
+                                               path=url, timeout=left)
         deadline = deadline or hop_deadline
         if kind == "body":
             return value, deadline - time.monotonic(), timeout
@@ -204,9 +212,28 @@ def _download(fetcher, url: str, per_operation):
     raise ValueError(f"The URL {url!r} exceeded the limit of {fetcher.MAX_REDIRECTS} redirects.")
 
 
-def _get_one_hop(url: str, per_operation, max_size: int):
-    """In the sandbox: GET ``url`` without following a redirect: ("redirect", location), or
-    ("body", bytes) capped at ``max_size`` (0: no cap), as ``SafeUrlFetcher`` caps it."""
+def _check_hop(fetcher, url: str, requested: str) -> tuple[str, ...]:
+    """One hop of the request's URL ``requested``: our check of its addresses
+    (:func:`.url_policy.check`: a refusal is the request's 400, named in the log), then
+    ms-swift's ``check_url`` (its schemes, metadata endpoints, ``SWIFT_URL_ALLOWED_HOSTS``),
+    which does not refuse again, as not public, an internal address our setting allowed.
+    The addresses the hop's download may connect to."""
+    try:
+        checked = url_policy.check(url, requested)
+    except MediaDecodeError as refused:
+        log.warning(f"swift_safe_media: refused {refused.path}: {refused.reason}; its request is answered with HTTP 400")
+        raise
+    if checked.internal and callable(getattr(fetcher, "_allow_internal_url", None)):
+        fetcher = type(fetcher.__name__, (fetcher,), {"_allow_internal_url": staticmethod(lambda: True)})
+    fetcher.check_url(url)
+    return checked.addresses
+
+
+def _get_one_hop(url: str, per_operation, max_size: int, addresses=()):
+    """In the sandbox: GET ``url`` without following a redirect, connecting only to
+    ``addresses`` (the hop's checked ones; :func:`.url_policy.pinned_handlers`):
+    ("redirect", location), or ("body", bytes) capped at ``max_size`` (0: no cap), as
+    ``SafeUrlFetcher`` caps it."""
     import urllib.error
     import urllib.request
 
@@ -214,8 +241,9 @@ def _get_one_hop(url: str, per_operation, max_size: int):
         def redirect_request(self, *args, **kwargs):
             return None
 
+    opener = urllib.request.build_opener(NoRedirect, *url_policy.pinned_handlers(url, addresses))
     try:
-        response = urllib.request.build_opener(NoRedirect).open(url, timeout=per_operation)
+        response = opener.open(url, timeout=per_operation)
     except urllib.error.HTTPError as error:
         if error.code in _REDIRECTS and error.headers.get("location"):
             return "redirect", error.headers["location"]
