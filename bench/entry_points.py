@@ -1,7 +1,9 @@
 """The cost of bounding the libraries' entry points (issue 32), measured side by side.
 
-1. Each entry point run whole in the sandbox (what protection does) against stock in this
-   process: median wall time of alternating calls after one warm-up call of each.
+1. Each entry point run whole in the sandbox (what protection does: a confined sandbox per
+   call where stock opens its file by name) against stock in this process and against a
+   pooled sandbox reused call after call (before issue 42): median wall time of
+   alternating calls after one warm-up call of each, with the spread.
 2. What a proxy at the library boundary would pay instead: one round trip to the sandbox
    per method call of an object-shaped opener (``decord.VideoReader``: ``len``, fps, then
    ``vr[i]`` per frame), measured as N round trips of a call that returns one frame.
@@ -46,19 +48,30 @@ def cases(corpus):
     ]
 
 
-def median_pair(stock, ours, repeats):
+def median_triple(call, repeats):
+    """Stock here; in the sandbox as protection runs it (a confined sandbox per call where
+    stock opens its file by name, issue 42); in a pooled sandbox reused call after call
+    (what it was before: the unconfined pool). Alternating, after a warm-up of each:
+    (median, least, most) of each."""
+    from swift_safe_media.engine import calls as engine
     from swift_safe_media.patching import media_libraries as media
 
-    def timed(fn, patched):
+    by_name = engine.by_name
+
+    def timed(patched, pooled=False):
         (media.PATCHES.patch if patched else media.PATCHES.unpatch)()
+        engine.by_name = (lambda: False) if pooled else by_name
         start = time.perf_counter()
-        fn()
+        try:
+            call()
+        finally:
+            engine.by_name = by_name
         return time.perf_counter() - start
 
-    timed(stock, False), timed(ours, True)  # warm-up: imports, the sandbox, numba, file cache
-    pairs = [(timed(stock, False), timed(ours, True)) for _ in range(repeats)]
+    timed(False), timed(True), timed(True, pooled=True)  # warm-up: imports, sandboxes, numba, file cache
+    rounds = [(timed(False), timed(True), timed(True, pooled=True)) for _ in range(repeats)]
     media.PATCHES.patch()
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    return [(statistics.median(column), min(column), max(column)) for column in zip(*rounds)]
 
 
 def round_trip(repeats):
@@ -97,10 +110,12 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         corpus = media_corpus.build(folder)
         ssm.enable(timeout=120)
-        print("| entry point | stock, in process | stock, in the sandbox | ratio |\n|---|---|---|---|")
+        print("| entry point | stock, in process | in a sandbox per call (now) | ratio | "
+              "in a pooled sandbox (before) | ratio |\n|---|---|---|---|---|---|")
         for name, _, call in cases(corpus):
-            stock, ours = median_pair(call, call, args.repeats)
-            print(f"| {name} | {stock * 1e3:.1f} ms | {ours * 1e3:.1f} ms | {ours / stock:.2f}x |")
+            (stock, *_), (ours, low, high), (pooled, *_) = median_triple(call, args.repeats)
+            print(f"| {name} | {stock * 1e3:.1f} ms | {ours * 1e3:.1f} ms [{low * 1e3:.1f}-{high * 1e3:.1f}] | "
+                  f"{ours / stock:.2f}x | {pooled * 1e3:.1f} ms | {pooled / stock:.2f}x |")
         one = round_trip(args.repeats)
         print(f"\nproxy at the library boundary: one round trip returning a 720p frame {one * 1e3:.2f} ms; "
               f"a 16-frame decord read through a proxy: 18 round trips, about {one * 18 * 1e3:.1f} ms "

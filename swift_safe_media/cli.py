@@ -121,7 +121,10 @@ def show_confinement() -> int:
     from . import call, shutdown
     from .confinement import policy as confine
 
+    from .decoders import stock
+
     found = confine.status()
+    found["decode_paths"] = stock.decode_paths(found["enabled"], bool((found.get("reads") or {}).get("limited")))
     try:
         found["sandbox"] = call(confine.status_here, timeout=config.start_timeout())
     finally:

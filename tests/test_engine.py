@@ -318,7 +318,9 @@ def test_clean_exit_leaves_no_processes_or_shared_memory():
     assert done.returncode == 0, done.stderr
     zygote, sandbox = map(int, done.stdout.split())
     assert wait_until_dead([zygote, sandbox], within=3.0) == {}
-    assert set(os.listdir("/dev/shm")) <= before
+    # Other tests running beside this one (joblib's loky in LLaMA-Factory's runs) make
+    # semaphores of their own meanwhile: only what is not theirs counts.
+    assert {name for name in set(os.listdir("/dev/shm")) - before if not name.startswith("sem.loky-")} == set()
 
 
 def test_shutdown_reaps_everything(fresh_engine):

@@ -424,3 +424,42 @@ def test_lerobot_decode_checks_the_demuxer_before_its_own_decoders_open(corpus, 
                                                   False, path=p),
                             str(path), str(path), corpus)
     assert not trap.was_contacted()
+
+
+# --- stock code in its confined sandbox per call (issue 42) ------------------------------
+
+def _stock_entry_points():
+    from swift_safe_media.decoders import stock
+
+    return {
+        "transformers load_video pyav": lambda p: stock.load_video(p, num_frames=4, backend="pyav"),
+        "transformers load_video decord": lambda p: stock.load_video(p, num_frames=4, backend="decord"),
+        "transformers load_video opencv": lambda p: stock.load_video(p, num_frames=4, backend="opencv"),
+        "transformers load_audio": lambda p: stock.load_audio(p, sampling_rate=16000),
+        "keye_vl_utils.fetch_video": lambda p: stock.keye_fetch_video({"video": p}),
+        "soundfile.read": lambda p: stock.soundfile_read(p),
+    }
+
+
+def test_playlists_reach_nothing_through_the_stock_entry_points(corpus, trap):
+    """Stock's own decoders follow playlists (no guard of ours runs before them): in their
+    confined sandbox of one call, which may read only the named file, each hostile file
+    fails naming itself, no decoy is opened and the trap port hears nothing. A good file
+    still decodes through each."""
+    for name, content in hostile_files(corpus, trap.port).items():
+        (corpus["hostile"] / name).write_bytes(content)
+    for loader_name, load in _stock_entry_points().items():
+        for name in hostile_files(corpus, trap.port):
+            path = str(corpus["hostile"] / name)
+            watch = FolderWatch(corpus["decoys"])
+            try:
+                with pytest.raises(MediaDecodeError) as caught:
+                    load(path)
+                opened = watch.names()
+            finally:
+                watch.close()
+            assert caught.value.path == path, (loader_name, name, str(caught.value))
+            assert opened == set(), (loader_name, name, opened)
+        good = corpus["good"] / ("tone.wav" if "audio" in loader_name or "soundfile" in loader_name else "clip.mp4")
+        assert load(str(good)) is not None, loader_name
+    assert not trap.was_contacted(), "a request reached the trap port"

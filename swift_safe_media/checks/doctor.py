@@ -152,6 +152,22 @@ def confinement() -> str:
     return str(status)
 
 
+def decode_paths() -> str:
+    """How many decode paths run confined here, and each that does not, with why."""
+    try:
+        from ..confinement import policy as confine
+        from ..decoders import stock
+
+        status = confine.status()
+        paths = stock.decode_paths(status["enabled"], bool((status.get("reads") or {}).get("limited")))
+    except Exception as exc:  # the report must go on
+        return f"unknown ({type(exc).__name__}: {exc})"
+    loose = {name: how for name, how in paths.items() if how.startswith("not confined")}
+    listed = "; ".join(f"{name} ({how.removeprefix('not confined: ')})" for name, how in loose.items())
+    return (f"{len(paths) - len(loose)} confined; not confined: {listed or 'none'} "
+            f"(`swift-safe-media confinement` lists each)")
+
+
 def _confinement_item(key, value) -> str:
     """One setting of ``confine.status()``, short: the read and environment policies in words."""
     if key == "reads" and isinstance(value, dict):
@@ -246,6 +262,7 @@ def report(out=sys.stdout) -> int:
     except ValueError as exc:
         say(_line("start method", f"INVALID: {exc}"))
     say(_line("confinement", confinement()))
+    say(_line("decode paths", decode_paths()))
     worked, text = sample_decode(findings)
     say(_line("sample decode", text, "ok" if worked else "FAILED"))
 

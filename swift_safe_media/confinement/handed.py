@@ -109,6 +109,11 @@ def release() -> None:
         os.close(_table.popitem()[1])
 
 
+def handed_fds() -> list[int]:
+    """The descriptors of every file handed with the request being served."""
+    return list(_table.values())
+
+
 def handed_fd(path) -> int | None:
     try:
         return _table.get(os.fspath(path))

@@ -183,6 +183,12 @@ def open_rule_path(path: str, rights: int, folder: bool | None = None):
     return _PathBeneath(rights, target)
 
 
+def file_rule(fd: int, rights: int):
+    """A rule allowing ``rights`` on the one file open as ``fd`` (a copy of it is the
+    rule's ``parent_fd``: close that once the rule is added)."""
+    return _PathBeneath(rights & (FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE), os.dup(fd))
+
+
 # -- installing (in the process to confine) ------------------------------------------------
 
 def set_no_new_privs() -> None:

@@ -5,7 +5,7 @@ that each hold alone:
 
 - ``no_new_privs``: no set-uid program or file capability can raise its privileges
   (and unprivileged seccomp and Landlock require it);
-- a seccomp filter (libseccomp through ctypes) refusing the system calls a decoder
+- a seccomp filter (:mod:`.syscalls`, libseccomp through ctypes) refusing the system calls a decoder
   never needs: sockets other than local stream sockets, connect/bind/listen/accept,
   exec, ptrace and reading other processes' memory, mounts, namespaces, bpf, keyrings,
   kernel modules, kexec/reboot, perf, userfaultfd, io_uring (whose operations would
@@ -29,6 +29,11 @@ sandbox (``apply``: its Landlock rules, laid out in the zygote, one system call 
 its own ``/proc/<pid>``; then the filter); the kernel interfaces are in
 :mod:`.kernel`, so confinement costs no start-up time
 one can measure.
+
+Two variants, applied by a sandbox of one call as that call begins: one that may read the
+files handed with the call by any name (``readable_fds``: stock code that opens its media
+by name), and a download's, which may also connect out over TCP and read what resolving
+names and checking certificates need (``network``; :data:`NETWORK_FILES`).
 """
 
 from __future__ import annotations
@@ -45,44 +50,9 @@ from .. import config
 from . import reads as confine_reads
 from . import kernel
 from .kernel import landlock_abi, seccomp_available  # noqa: F401  (part of this module's API)
+from .syscalls import REFUSED_ERRNO_BASE, REFUSED_SYSCALLS, build_seccomp_program, syscall_numbers  # noqa: F401
 
 log = logging.getLogger("swift_safe_media")
-
-# Errno of a refused call: this base plus the syscall number (below 4096, so libc and
-# Python still read it as an error number).
-REFUSED_ERRNO_BASE = 3000
-
-# Refused outright (the names are resolved by libseccomp for this architecture).
-REFUSED_SYSCALLS = (
-    # network: only the inherited socketpair to the caller is used
-    "connect", "bind", "listen", "accept", "accept4",
-    # other programs
-    "execve", "execveat",
-    # other processes
-    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "process_madvise",
-    # changing files' metadata, which Landlock does not cover (content changes it refuses)
-    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",
-    "setxattr", "lsetxattr", "fsetxattr", "setxattrat", "removexattr", "lremovexattr",
-    "fremovexattr", "removexattrat", "utime", "utimes", "futimesat", "utimensat",
-    # mounts and namespaces
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree",
-    "move_mount", "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
-    # kernel interfaces a decoder never needs
-    "bpf", "keyctl", "add_key", "request_key", "init_module", "finit_module",
-    "delete_module", "kexec_load", "kexec_file_load", "reboot", "perf_event_open",
-    "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "open_by_handle_at", "name_to_handle_at", "swapon", "swapoff", "acct",
-    "quotactl", "syslog", "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime",
-    "adjtimex", "sethostname", "setdomainname",
-)
-
-_AF_UNIX = 1
-_SOCK_DGRAM = 2
-_SOCK_TYPE_MASK = 0xF
-# clone flags that create namespaces; clone3 hides its flags in memory a filter
-# cannot read, so it gets ENOSYS and glibc falls back to clone.
-_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000,
-                          0x20000000, 0x40000000, 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
 
 # Landlock rights refused (handled, with no rule allowing them), with the ABI that introduced each.
 _FS_WRITE_RIGHTS = (  # (name, bit, abi)
@@ -93,6 +63,9 @@ _FS_WRITE_RIGHTS = (  # (name, bit, abi)
 )
 _NET_RIGHTS = (("bind_tcp", 1 << 0, 4), ("connect_tcp", 1 << 1, 4))
 _SCOPES = (("abstract_unix_socket", 1 << 0, 6), ("signal", 1 << 1, 6))
+# What a download's sandbox reads besides: name resolution and certificate stores.
+NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts", "/etc/host.conf", "/etc/gai.conf", "/etc/services",
+                 "/etc/protocols", "/etc/ssl", "/etc/pki", "/etc/ca-certificates", "/run/systemd/resolve")
 
 
 # -- building the policy (once per zygote) ------------------------------------------------
@@ -112,6 +85,10 @@ class Policy:
     # The filter as the kernel takes it, made here so a forked sandbox only passes a pointer.
     _program_buffer: object = None
     _fprog: object = None
+    # A download's sandbox (``apply(network=True)``): its filter, and what resolving names and
+    # checking certificates read.
+    network_programs: tuple = ()  # (buffer, fprog)
+    network_rules: list = field(default_factory=list)
 
 
 def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
@@ -122,11 +99,14 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
     problem = seccomp_available()
     if problem is None:
         try:
-            policy.seccomp_program = _build_seccomp_program()
+            policy.seccomp_program = build_seccomp_program()
             policy.seccomp_number = syscall_numbers()["seccomp"]
             program = policy._program_buffer = ctypes.create_string_buffer(
                 policy.seccomp_program, len(policy.seccomp_program))
             policy._fprog = kernel.SockFprog(len(policy.seccomp_program) // 8, ctypes.cast(program, ctypes.c_void_p))
+            network = build_seccomp_program(network=True)
+            buffer = ctypes.create_string_buffer(network, len(network))
+            policy.network_programs = (buffer, kernel.SockFprog(len(network) // 8, ctypes.cast(buffer, ctypes.c_void_p)))
         except (OSError, KeyError) as exc:
             problem = f"seccomp filter not built: {exc}"
     if problem:
@@ -141,38 +121,6 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
         except OSError as exc:
             policy.missing.append(f"Landlock ruleset not built: {exc}")
     return policy
-
-
-def _refused(number: int) -> int:
-    return kernel.SCMP_ACT_ERRNO | (REFUSED_ERRNO_BASE + number)
-
-
-def syscall_numbers() -> dict[str, int]:
-    """This architecture's numbers of the refused syscalls (those it has)."""
-    return kernel.syscall_numbers(REFUSED_SYSCALLS + ("socket", "socketpair", "clone", "clone3", "seccomp"))
-
-
-def _build_seccomp_program() -> bytes:
-    numbers = syscall_numbers()
-    with kernel.SeccompFilter(kernel.SCMP_ACT_ALLOW) as program:
-        # Every thread, also those a preloaded library started (the exec fallback).
-        program.set_attribute(kernel.SCMP_FLTATR_CTL_TSYNC, 1)
-        # A binary search over syscall numbers rather than a list: fewer instructions run
-        # on every system call (libseccomp >= 2.5; older ones keep the list).
-        program.set_attribute(kernel.SCMP_FLTATR_CTL_OPTIMIZE, 2)
-        for name in REFUSED_SYSCALLS:
-            if name in numbers:
-                program.add(_refused(numbers[name]), numbers[name])
-        for name in ("socket", "socketpair"):
-            # Local stream sockets only: no network family, no datagram to a named socket.
-            program.add(_refused(numbers[name]), numbers[name], (0, kernel.SCMP_CMP_NE, _AF_UNIX, 0))
-            program.add(_refused(numbers[name]), numbers[name],
-                        (1, kernel.SCMP_CMP_MASKED_EQ, _SOCK_TYPE_MASK, _SOCK_DGRAM))
-        for flag in _CLONE_NAMESPACE_FLAGS:
-            program.add(_refused(numbers["clone"]), numbers["clone"], (0, kernel.SCMP_CMP_MASKED_EQ, flag, flag))
-        if "clone3" in numbers:
-            program.add(kernel.SCMP_ACT_ERRNO | errno.ENOSYS, numbers["clone3"])
-        return program.export_bpf()
 
 
 def _rights(table, abi: int) -> int:
@@ -204,6 +152,9 @@ def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
         rule = kernel.open_rule_path(path, rights)
         if rule is not None:
             policy.landlock_rules.append(rule)
+    if policy.reads_limited:
+        policy.network_rules = [rule for rule in (kernel.open_rule_path(path, reads) for path in NETWORK_FILES)
+                                if rule is not None]
 
 
 # -- applying it (in each sandbox) ---------------------------------------------------------
@@ -211,26 +162,37 @@ def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
 _applied: dict | None = None  # what this process runs under, for status_here()
 
 
-def apply(policy: Policy) -> None:
-    """Confine this process for good. Raises OSError if a layer the policy has cannot
-    be installed (the sandbox must then not serve calls)."""
+def apply(policy: Policy, readable_fds=(), network: bool = False) -> None:
+    """Confine this process for good; ``readable_fds``: files (open descriptors) it may read
+    besides, by any name (a sandbox for one call of code that opens its media by name);
+    ``network``: a download's sandbox, which may also connect out over TCP, and read what
+    resolving names and checking certificates need (no bind, no exec, no writes).
+    Raises OSError if a layer the policy has cannot be installed (the sandbox must then not
+    serve calls)."""
     global _applied
     kernel.set_no_new_privs()
+    for rule in [] if network else policy.network_rules:
+        os.close(rule.parent_fd)
     if policy.landlock_abi:
-        rules = list(policy.landlock_rules)
+        rules = list(policy.landlock_rules) + (policy.network_rules if network else [])
+        if policy.reads_limited:
+            rules += [kernel.file_rule(fd, kernel.FS_READ_FILE) for fd in readable_fds]
         own_proc = None
         if policy.reads_limited:
             own_proc = kernel.open_rule_path(f"/proc/{os.getpid()}", kernel.FS_READ_FILE | kernel.FS_READ_DIR, True)
             if own_proc is not None:
                 rules.append(own_proc)
         try:
-            kernel.restrict_self(policy.landlock_abi, *policy.landlock_access, rules)
+            handled_fs, handled_net, scopes = policy.landlock_access
+            if network:
+                handled_net &= ~_rights([right for right in _NET_RIGHTS if right[0] == "connect_tcp"], 99)
+            kernel.restrict_self(policy.landlock_abi, handled_fs, handled_net, scopes, rules)
         finally:
-            for rule in [*policy.landlock_rules, *([own_proc] if own_proc else [])]:
+            for rule in rules:
                 os.close(rule.parent_fd)  # this sandbox's copies: the zygote keeps its own
-            policy.landlock_rules = []
+            policy.landlock_rules = policy.network_rules = []
     if policy.seccomp_program:
-        kernel.install_seccomp_filter(policy.seccomp_number, policy._fprog)
+        kernel.install_seccomp_filter(policy.seccomp_number, policy.network_programs[1] if network else policy._fprog)
     # Imports after this point cannot write their bytecode caches: do not try.
     sys.dont_write_bytecode = True
     _applied = {"seccomp": bool(policy.seccomp_program), "landlock_abi": policy.landlock_abi,

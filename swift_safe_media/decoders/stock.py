@@ -9,9 +9,11 @@ construction, with the sandbox's timeout, isolation and error naming. A failure 
 becomes ``MediaDecodeError`` naming the media and what stock raised (a ``RuntimeError``,
 as most stock decoders raise). Media given already decoded (an array, a list of frames)
 is handed to stock in place: there is nothing to decode. A file object is read here
-and sent as bytes; a URL is fetched by stock in an unconfined sandbox, and so is an
-entry point that runs programs or writes files (``confine=False``: isolated and
-bounded, not confined).
+and sent as bytes. Stock opens a local file by name: each call runs in a confined
+sandbox of its own that may read the call's own files (``engine.BY_NAME``). A URL is
+fetched by stock in an unconfined sandbox, and so is an entry point that runs programs
+or writes files (``unconfined_because``: isolated and bounded, not confined; listed by
+:func:`decode_paths`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import pickle
 import sys
 import types
 
-from ..confinement import policy as confinement
 from ..engine import calls as engine
 from ..errors import MediaDecodeError, decode_failure
 from ..patching.targets import original_of
@@ -36,13 +37,20 @@ def stock_function(module: str, name: str):
     return original_of(function) or function
 
 
+def code_folder(module: str) -> str | None:
+    """Where a model's own code is (transformers puts it in its modules cache), else None."""
+    if module.startswith("transformers_modules."):
+        from transformers.utils import HF_MODULES_CACHE
+
+        return HF_MODULES_CACHE
+    return None
+
+
 def run_stock(module: str, name: str, args, kwargs, path=None):
     """In the sandbox: the stock function on the caller's arguments."""
-    if module.startswith("transformers_modules.") and module not in sys.modules:
-        from transformers.utils import HF_MODULES_CACHE  # a model's own code, where transformers put it
-
-        if HF_MODULES_CACHE not in sys.path:
-            sys.path.append(HF_MODULES_CACHE)
+    folder = code_folder(module)
+    if folder and module not in sys.modules and folder not in sys.path:
+        sys.path.append(folder)
     function = stock_function(module, name)
     try:
         return function(*args, **kwargs)
@@ -73,10 +81,13 @@ def import_in_sandbox(module: str, confined: bool) -> None:
             pass
 
 
-def _prepare_sandboxes(module: str, confined: bool) -> None:
+def _prepare_sandboxes(module: str, confined) -> None:
     if (module, confined) not in _prepared:
         _prepared.add((module, confined))
-        engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
+        if confined in (engine.BY_NAME, engine.NETWORK):  # a sandbox per call: the zygote imports it once
+            engine.import_before_fork(module, code_folder(module))
+        else:
+            engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
 
 
 def _label(media) -> str | None:
@@ -106,11 +117,19 @@ def _is_url(label: str | None) -> bool:
     return bool(label) and label.startswith(("http://", "https://", "ftp://"))
 
 
-def in_sandbox(module: str, name: str, media=(0, "video"), confine: bool = True, prepare=None):
+# How each entry point's sandbox is confined, by dotted name (``swift-safe-media confinement``).
+CONFINED_BY_NAME = "confined: a sandbox per call, which may read the call's own files by name"
+DECODE_PATHS: dict[str, str] = {}
+
+
+def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: str | None = None, prepare=None):
     """A stand-in for ``module.name`` that runs stock in the sandbox. ``media``: the
-    position and keyword of the argument that names the media; ``prepare(stand_in_call,
+    position and keyword of the argument that names the media; ``unconfined_because``: why
+    its sandbox cannot be confined (it is isolated and bounded still); ``prepare(stand_in_call,
     args, kwargs)``: a hook for arguments that cannot travel (it returns the result)."""
     position, keyword = media
+    confine = unconfined_because is None
+    DECODE_PATHS[f"{module}.{name}"] = CONFINED_BY_NAME if confine else f"not confined: {unconfined_because}"
 
     def stand_in(*args, **kwargs):
         value = kwargs.get(keyword) if keyword in kwargs else args[position] if len(args) > position else None
@@ -120,8 +139,9 @@ def in_sandbox(module: str, name: str, media=(0, "video"), confine: bool = True,
         args = tuple(_sendable(arg) for arg in args)
         kwargs = {key: _sendable(arg) for key, arg in kwargs.items()}
 
-        # Stock opens the file by name: confined only where a confined sandbox may do that.
-        confined = confine and not _is_url(label) and confinement.opens_by_name()
+        # Stock opens the file by name: a confined sandbox of its own, which may read that file
+        # (a URL: one that may connect out instead).
+        confined = confine and (engine.NETWORK if _is_url(label) else engine.by_name())
         _prepare_sandboxes(module, confined)
 
         def run(args, kwargs):
@@ -179,7 +199,7 @@ def _load_video_with_local_sampler(run, args, kwargs):
     label = _label(args[0] if args else kwargs.get("video"))
     rest = {key: value for key, value in kwargs.items() if key != "sample_indices_fn"}
     metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label,
-                                           confine=confinement.opens_by_name())
+                                           confine=engine.NETWORK if _is_url(label) else engine.by_name())
     indices = sampler(metadata=metadata, **sampler_kwargs)
     return run(args, {**rest, "sample_indices_fn": functools.partial(_given_indices, indices)})
 
@@ -214,18 +234,41 @@ load_video = in_sandbox("transformers.video_utils", "load_video", (0, "video"),
 load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"))
 load_audio_as = in_sandbox("transformers.audio_utils", "load_audio_as", (0, "audio"))
 # Model-family utils: Keye-VL (decord, torchvision or torchcodec); MiniCPM-o's video
-# with audio (decord, librosa, and ffmpeg programs and temporary files: unconfined);
-# Llama-Omni's whisper (an ffmpeg program without a timeout: unconfined).
+# with audio (decord, librosa, and ffmpeg programs and temporary files); Llama-Omni's
+# whisper (an ffmpeg program without a timeout). Landlock could let a sandbox run only the
+# ffmpeg binary, but not without letting it run the dynamic loader, which runs any program.
 keye_fetch_video = in_sandbox("keye_vl_utils.vision_process", "fetch_video", (0, "ele"))
-minicpmo_video_audio_segments = in_sandbox("minicpmo.utils", "get_video_frame_audio_segments", (0, "video_path"),
-                                           confine=False)
-whisper_load_audio = in_sandbox("whisper.audio", "load_audio", (0, "file"), confine=False)
+minicpmo_video_audio_segments = in_sandbox(
+    "minicpmo.utils", "get_video_frame_audio_segments", (0, "video_path"),
+    unconfined_because="it runs the ffmpeg program and writes temporary files")
+whisper_load_audio = in_sandbox("whisper.audio", "load_audio", (0, "file"),
+                                unconfined_because="it runs the ffmpeg program")
 # The libraries' own function-shaped loaders, where any code (a remote-code model's
 # utils, a user's dataset) reaches them: Step-Audio's torchaudio.load, Qwen3-TTS's
 # librosa.load, WeNet-style torchaudio.load of shard bytes.
-# librosa imports numba functions cached on disk: numba refuses to load them where it cannot
-# write its cache, so librosa runs in an unconfined sandbox.
-librosa_load = in_sandbox("librosa.core.audio", "load", (0, "path"), confine=False)
+librosa_load = in_sandbox("librosa.core.audio", "load", (0, "path"), unconfined_because=(
+    "it needs a writable temporary folder, and falls back to audioread, which runs the ffmpeg program, for "
+    "formats libsndfile cannot read"))
 soundfile_read = in_sandbox("soundfile", "read", (0, "file"))
 torchaudio_load = in_sandbox("torchaudio", "load", (0, "uri"))
 torchvision_read_video = in_sandbox("torchvision.io.video", "read_video", (0, "filename"))
+
+
+def decode_paths(confined: bool, reads_limited: bool) -> dict[str, str]:
+    """Each decode path and how its sandbox is confined here (``swift-safe-media
+    confinement``, ``doctor``)."""
+    if not confined:
+        return {"every decode path": "not confined: SWIFT_SAFE_MEDIA_CONFINE=0"}
+    by_name = CONFINED_BY_NAME if reads_limited else "confined; reads are not limited here"
+    return {
+        "the twins (ms-swift's and the Qwen utils' loaders, LeRobot's decode)":
+            "confined: the media handed as open descriptors",
+        **{name: by_name if how == CONFINED_BY_NAME else how for name, how in DECODE_PATHS.items()},
+        "a model's own media loader (remote code)": by_name,
+        "LLaMA-Factory's mm_plugin readers": by_name,
+        "a function under @isolated or call()": "confined: the media handed as open descriptors "
+                                                "(confine=False: not confined, as its author chose)",
+        "media URLs (downloads, stock given a URL)": "confined but for connecting out: a sandbox per call "
+                                                     "(`swift deploy` refuses internal addresses)",
+        "a LeRobot dataset streamed from the Hub": "not confined: the Hub's client reads and writes its cache",
+    }

@@ -2,7 +2,8 @@
 clean zygote, with a hard timeout.
 
 Owns: the calling API (:mod:`.calls`: ``call``, ``call_each``, ``isolated``), the pool
-of a process's sandboxes and one exchange with a sandbox (:mod:`.pool`), both ends of
+of a process's sandboxes and one exchange with a sandbox (:mod:`.pool`), the kinds of
+sandbox and what each holds before its call (:mod:`.sandbox_kinds`), both ends of
 the zygote protocol (:mod:`.zygote`), how a zygote starts (:mod:`.zygote_start`), the
 zygote a rank shares with its workers (:mod:`.shared_zygote`), the sandbox's own side
 (:mod:`.sandbox`), messages and shared memory (:mod:`.transport`, :mod:`.pickling`), the

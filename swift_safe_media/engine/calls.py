@@ -23,8 +23,8 @@ from ..confinement import handed
 from ..records import watchdog
 from ..records.accounting import Accounting
 from ..errors import MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault, MediaQuarantined
-from .pool import (RemoteTraceback, SandboxPool, describe_status, forget_sandbox_setup, get_engine,
-                   set_up_sandboxes, shutdown)
+from .pool import (BY_NAME, NETWORK, RemoteTraceback, SandboxPool, describe_status, forget_sandbox_setup, get_engine,
+                   by_name, import_before_fork, set_up_sandboxes, shutdown)
 from .pool import SandboxPool as Engine  # its old name
 from .sandbox import in_sandbox, mark_in_sandbox
 
@@ -33,7 +33,8 @@ log = logging.getLogger("swift_safe_media")
 __all__ = ["call", "call_each", "isolated", "fetch", "SharedTimeout", "path_hint", "FAILED_PATH",
            # re-exported from .pool and .sandbox
            "SandboxPool", "Engine", "RemoteTraceback", "describe_status", "get_engine", "shutdown",
-           "set_up_sandboxes", "forget_sandbox_setup", "in_sandbox", "mark_in_sandbox"]
+           "set_up_sandboxes", "forget_sandbox_setup", "in_sandbox", "mark_in_sandbox", "BY_NAME",
+           "NETWORK", "by_name", "import_before_fork"]
 
 
 def _looks_like_path(value) -> bool:
@@ -69,7 +70,9 @@ def call(fn, *args, timeout: float | None = None, path=None, confine: bool = Tru
     back as themselves, with the sandbox traceback as their ``__cause__``. ``path`` names
     the media in error messages (else the first path-like argument does); it is passed
     on to ``fn`` only if ``fn`` has a parameter called ``path``. ``confine=False`` runs
-    it in an unconfined sandbox (one that may use the network, run programs, write files).
+    it in an unconfined sandbox (one that may use the network, run programs, write files);
+    ``confine=BY_NAME`` in a confined sandbox of its own that may open ``path`` (and no
+    other media) by name, for code that does not take a descriptor.
 
     A failure that is the machine's, not the file's (its sandbox killed from outside or
     by the OOM killer, a sandbox that could not start, a zygote gone) is retried in a
@@ -97,7 +100,8 @@ class SharedTimeout:
 
 def fetch(fn, *args, path, timeout: float | None = None) -> tuple[object, float, float]:
     """The first step of a decode of ``path`` that needs the network (a download): runs
-    in an unconfined sandbox, so only its result reaches the confined decode. Quarantine
+    in a download's sandbox (``NETWORK``: confined, but it may connect out), so only its
+    result reaches the confined decode. Quarantine
     and failures count as for that decode; a success is not counted (the decode is).
 
     Returns ``(result, deadline, timeout)``: the step and the decode after it share one
@@ -107,7 +111,7 @@ def fetch(fn, *args, path, timeout: float | None = None) -> tuple[object, float,
     if in_sandbox():
         return fn(*args), time.monotonic() + timeout, timeout
     started = []
-    result = _call(fn, args, {}, timeout, path, confined=False, count_success=False,
+    result = _call(fn, args, {}, timeout, path, confined=NETWORK, count_success=False,
                    on_start=lambda: started.append(time.monotonic()))
     return result, (started[0] if started else time.monotonic()) + timeout, timeout
 
@@ -206,7 +210,7 @@ def _call_each(fn, arguments, paths, timeout: float, confine: bool, attempt: int
         for path in paths:
             accounting.check(path)
         accounting.begin(paths[0])
-        results = get_engine(confine).run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0],
+        results = get_engine(confine).run(sandbox.run_each, (fn, arguments), {}, timeout, paths[0], files=paths,
                                    on_progress=next_call, on_start=accounting.restart_clock)
     except BaseException as exc:
         retry = _retries(exc, attempt, paths[current])
@@ -304,7 +308,7 @@ def _call_parallel(fn, arguments, paths, timeout: float, confine: bool) -> list:
             accounting.restart_clock()
 
     try:
-        results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0],
+        results = get_engine(confine).run(sandbox.run_parallel, (fn, arguments), {}, timeout, paths[0], files=paths,
                                    on_progress=ended, on_start=started, restart_on_progress=False)
     except BaseException as exc:
         machine = _is_machine_fault(exc)

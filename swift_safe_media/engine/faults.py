@@ -334,3 +334,24 @@ class FairClock:
         if self.capped:
             text += f" (the ceiling: {self.ceiling:g}x the timeout; SWIFT_SAFE_MEDIA_TIMEOUT_CEILING)"
         return text
+
+
+# -- an exception raised in a sandbox, as the caller raises it ------------------------------
+class RemoteTraceback(Exception):
+    """Carries the sandbox-side traceback as the ``__cause__`` of a re-raised exception."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+def rebuild_exception(exc, details, path, elapsed, pid):
+    if exc is None:
+        return MediaDecodeError(path, f"{details['type']}: {details['message']}\n{details['traceback']}",
+                                elapsed)
+    if isinstance(exc, MediaDecodeError):
+        exc = exc.with_context(path, elapsed)
+    exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{details['traceback']}\"\"\"")
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in swift_safe_media sandbox pid {pid}"
+                     + (f" while decoding {path}" if path is not None else ""))
+    return exc

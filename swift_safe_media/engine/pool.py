@@ -22,52 +22,26 @@ import threading
 import time
 
 from .. import config, process
-from ..confinement import policy as confine, reply_unpickler
+from ..confinement import handed, policy as confine, reply_unpickler
 from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
-from . import faults, transport
-from .faults import describe_status
+from . import faults, sandbox as sandbox_side, transport
+from .faults import RemoteTraceback, describe_status  # noqa: F401  (RemoteTraceback: part of the API)
+from .sandbox_kinds import (BY_NAME, NETWORK, PER_CALL, by_name, forget_sandbox_setup, import_before_fork,  # noqa: F401
+                            imports_before_fork, refuse_what_cannot_be_handed, sandbox_setups, set_up_sandboxes)
 from .shared_zygote import shared_address
 from .zygote import SandboxHandle, Zygote
 
 log = logging.getLogger("swift_safe_media")
 
 
-class RemoteTraceback(Exception):
-    """Carries the sandbox-side traceback as the ``__cause__`` of a re-raised exception."""
-
-    def __str__(self):
-        return self.args[0]
-
-
-_sandbox_setups: list = []
-
-
-def set_up_sandboxes(fn) -> None:
-    """Run ``fn()`` (a module-level function) once in each sandbox of this process before
-    the sandbox's first call, replacements included: imports a host needs there, say.
-    It runs under the start-up timeout (``SWIFT_SAFE_MEDIA_START_TIMEOUT``), not the
-    call's, and is not counted as a decode."""
-    if fn not in _sandbox_setups:
-        _sandbox_setups.append(fn)
-
-
-def sandbox_setups() -> tuple:
-    """The functions registered with :func:`set_up_sandboxes`, in order."""
-    return tuple(_sandbox_setups)
-
-
-def forget_sandbox_setup(fn) -> None:
-    """Undo :func:`set_up_sandboxes` for sandboxes started from now on."""
-    if fn in _sandbox_setups:
-        _sandbox_setups.remove(fn)
-
-
 class SandboxPool:
-    """A pool of sandboxes: confined ones (the default) or, for fetches and functions
-    that need the network, unconfined ones."""
+    """A pool of sandboxes: confined ones (the default), unconfined ones for fetches and
+    functions that need the network, or (``BY_NAME``) a confined sandbox per call, its
+    files readable by name."""
 
-    def __init__(self, confined: bool = True):
-        self.confined = confined
+    def __init__(self, confined: bool | str = True):
+        self.per_call, self.network = confined in PER_CALL, confined == NETWORK
+        self.confined = bool(confined)
         self._lock = threading.Condition()
         self._zygote: Zygote | None = None
         self._zygote_lock = threading.Lock()
@@ -122,6 +96,20 @@ class SandboxPool:
             self._idle.append(box)
             self._lock.notify()
 
+    def _done_with(self, box: SandboxHandle) -> None:
+        """After a call: the sandbox back to the pool, or, one for a single call, ended."""
+        if not self.per_call:
+            self._checkin(box)
+            return
+        box.kill()
+        with self._zygote_lock:
+            try:
+                if self._zygote is not None:
+                    self._zygote.retire(box.pid)
+            except OSError:
+                self._drop_zygote()
+        self._release_slot()
+
     def _release_slot(self) -> None:
         with self._lock:
             self._busy -= 1
@@ -135,7 +123,8 @@ class SandboxPool:
                     self._drop_zygote()
                     self._zygote = self._open_zygote()
                 try:
-                    box = self._zygote.spawn(config.max_memory_mb(), deadline, self.confined)
+                    box = self._zygote.spawn(config.max_memory_mb(), deadline, self.confined,
+                                             (() if self.network else imports_before_fork()) if self.per_call else None)
                     break
                 except (OSError, EOFError) as exc:
                     shared = self._zygote.process is None
@@ -210,11 +199,17 @@ class SandboxPool:
 
     # -- calls --------------------------------------------------------------------
     def run(self, fn, args, kwargs, timeout: float, path, on_progress=None, on_start=None,
-            restart_on_progress: bool = True):
+            restart_on_progress: bool = True, files=None):
         """``on_start()`` is called once a sandbox is ready and set up, as the call itself
         starts; ``on_progress(payload)`` as the sandbox reports progress, returning the path a
         failure from then on is pinned on (and, with ``restart_on_progress``, the timeout
-        starts again: the next call of a ``call_each`` batch has begun)."""
+        starts again: the next call of a ``call_each`` batch has begun). ``files``: what a
+        sandbox per call may open by name (default: ``path``)."""
+        if self.per_call:
+            readable = [handed.hand(os.path.abspath(name)) for name in (files or [path])
+                        if isinstance(name, (str, os.PathLike)) and not self.network]
+            refuse_what_cannot_be_handed(readable)
+            fn, args, kwargs = sandbox_side.confine_then_call, (readable, fn, args, kwargs, self.network), {}
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._ready_sandbox(path)
@@ -256,8 +251,9 @@ class SandboxPool:
 
     def _set_up(self, box: SandboxHandle, path) -> None:
         """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
-        while box.setups_done < len(_sandbox_setups):
-            message, fd, owned = _encode_request(_sandbox_setups[box.setups_done], (), {})
+        setups = () if self.per_call else sandbox_setups()  # one call: the zygote imported for it
+        while box.setups_done < len(setups):
+            message, fd, owned = _encode_request(setups[box.setups_done], (), {})
             self._exchange(box, message, fd, owned, config.start_timeout(), path, keep=True)
             box.setups_done += 1
 
@@ -303,7 +299,7 @@ class SandboxPool:
         elapsed = time.monotonic() - clock.started
         if kind == transport.RESULT:
             if not keep:
-                self._checkin(box)
+                self._done_with(box)
             return payload
         exc, details = payload
         if details["out_of_memory"]:
@@ -311,8 +307,8 @@ class SandboxPool:
             raise MediaDecodeError(
                 path, f"memory limit of {details['memory_cap_mb']} MB exceeded "
                       f"({details['type']}: {details['message']})", elapsed) from None
-        self._checkin(box)
-        raise _rebuild_exception(exc, details, path, elapsed, box.pid)
+        self._done_with(box)
+        raise faults.rebuild_exception(exc, details, path, elapsed, box.pid)
 
     def close(self) -> None:
         with self._lock:
@@ -353,24 +349,13 @@ def _receive(box: SandboxHandle, clock: faults.FairClock):
     return transport.receive(box.conn, max(clock.deadline, time.monotonic() + 1.0), blocks=box.blocks)
 
 
-def _rebuild_exception(exc, details, path, elapsed, pid):
-    if exc is None:
-        return MediaDecodeError(path, f"{details['type']}: {details['message']}\n{details['traceback']}",
-                                elapsed)
-    if isinstance(exc, MediaDecodeError):
-        exc = exc.with_context(path, elapsed)
-    exc.__cause__ = RemoteTraceback(f"\n\"\"\"\n{details['traceback']}\"\"\"")
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"raised in swift_safe_media sandbox pid {pid}"
-                     + (f" while decoding {path}" if path is not None else ""))
-    return exc
-
-
-def get_engine(confined: bool | None = None) -> SandboxPool:
+def get_engine(confined: bool | str | None = None) -> SandboxPool:
     """This process's pool of confined sandboxes (unless ``SWIFT_SAFE_MEDIA_CONFINE=0``),
-    or with ``confined=False`` its pool of unconfined ones (a forked child gets its own:
-    see :mod:`..process`)."""
-    confined = config.confine() if confined is None else confined and config.confine()
+    with ``confined=False`` its pool of unconfined ones, with ``BY_NAME`` its confined
+    sandboxes for one call each (a forked child gets its own: see :mod:`..process`)."""
+    confined = True if confined is None else confined
+    if not config.confine():
+        confined = False
     state = process.current()
     engine = state.engines.get(confined)
     if engine is None:

@@ -50,7 +50,10 @@ def remember_caller_main(main: dict | None) -> None:
     _caller_main = main
 
 
-def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None) -> None:
+def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None,
+                   deferred: bool = False) -> None:
+    """``deferred``: a sandbox for one call of code that opens its files by name, confined
+    as that call begins (:func:`confine_then_call`)."""
     os.setsid()
     process.set_name(process.SANDBOX_NAME)
     process.die_with_parent(parent)  # the zygote
@@ -66,14 +69,40 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy
 
     mark_in_sandbox()
     handed.install_open_hook()
-    if policy is not None:
-        try:
-            confine.apply(policy)
-        except OSError as exc:  # never serve unconfined when confinement was asked for
-            sys.stderr.write(f"swift_safe_media: sandbox pid {os.getpid()} could not be confined: {exc}\n")
-            os._exit(71)
-        confine_output.capture()
+    if policy is not None and deferred:
+        global _pending_policy
+        _pending_policy = policy
+    elif policy is not None:
+        _confine(policy)
     serve(conn, memory_cap_mb)
+
+
+_pending_policy: confine.Policy | None = None  # a sandbox for one call: confined as it begins
+
+
+def _confine(policy: confine.Policy, readable_fds=(), network: bool = False) -> None:
+    try:
+        confine.apply(policy, readable_fds, network)
+    except OSError as exc:  # never serve unconfined when confinement was asked for
+        sys.stderr.write(f"swift_safe_media: sandbox pid {os.getpid()} could not be confined: {exc}\n")
+        os._exit(71)
+    confine_output.capture()
+
+
+def confine_then_call(files, fn, args, kwargs, network: bool = False):
+    """In a sandbox started for one call (``SPAWN_FOR_FILES``): confined now, as the twins'
+    sandboxes are, with one more read rule for each file the caller handed with the call
+    (``files`` and any other handed path among the arguments: Landlock allows a rule to
+    name one regular file, here by the handed descriptor), then ``fn`` runs. Stock code may
+    then open those files by name, and nothing else beyond what decoding needs; the request
+    was unpickled before (it holds no media, only names and descriptors). ``network``: a
+    download's sandbox, which may also connect out (see ``confine.apply``)."""
+    global _pending_policy
+    policy, _pending_policy = _pending_policy, None
+    if policy is not None:
+        _confine(policy, handed.handed_fds(), network)
+    del files
+    return fn(*args, **kwargs)
 
 
 def _current_address_space() -> int:

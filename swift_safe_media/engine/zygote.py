@@ -36,11 +36,15 @@ from . import run_folders, sandbox, transport, zygote_start
 log = logging.getLogger("swift_safe_media")
 
 # -- the wire -------------------------------------------------------------------------
-SPAWN, SPAWN_UNCONFINED, REAP, LEFTOVERS = b"S", b"U", b"R", b"L"
+SPAWN, SPAWN_UNCONFINED, SPAWN_FOR_FILES, REAP, RETIRE, LEFTOVERS = b"S", b"U", b"F", b"R", b"X", b"L"
 # op, memory cap in MB (SPAWN) or pid (REAP), then that many bytes of JSON: SPAWN, the
 # caller's environment, which the new sandbox takes as its own (SPAWN_UNCONFINED: a
 # sandbox left unconfined, for a download, from a zygote that confines the others, so a
-# rank's one zygote serves both kinds); LEFTOVERS (from the
+# rank's one zygote serves both kinds; SPAWN_FOR_FILES: a sandbox for one call of code that
+# opens its files by name, confined as that call begins, with the call's own files readable
+# (:func:`.sandbox.confine_then_call`); its JSON is {"environment": ..., "imports": [[module, folder or null]: modules
+# the zygote imports first, so that the sandbox starts with them]}); RETIRE (no reply): kill a
+# sandbox whose work is done and collect it in passing; LEFTOVERS (from the
 # owner of the control connection only), its temporary folders, for the zygote to
 # remove if the owner dies (the list replaces the last one; an empty one says goodbye)
 CONTROL_REQUEST = struct.Struct("!cQI")
@@ -120,10 +124,16 @@ class Zygote:
     def _read(self, size, deadline):
         return transport.receive_exactly(self.control, size, deadline)
 
-    def spawn(self, memory_cap_mb: int, deadline: float, confined: bool = True) -> SandboxHandle:
-        environment = json.dumps(zygote_start.environment_for_sandbox()).encode()
+    def spawn(self, memory_cap_mb: int, deadline: float, confined: bool = True,
+              for_files: tuple[str, ...] | None = None) -> SandboxHandle:
+        """A new sandbox; ``for_files``: one for a call of code that opens its files by name,
+        confined as that call begins, the zygote importing these modules first."""
+        environment = zygote_start.environment_for_sandbox()
+        if for_files is not None:
+            environment = {"environment": environment, "imports": list(for_files)}
+        environment = json.dumps(environment).encode()
         self.control.settimeout(max(deadline - time.monotonic(), 0.001))
-        op = SPAWN if confined else SPAWN_UNCONFINED
+        op = SPAWN_FOR_FILES if for_files is not None else SPAWN if confined else SPAWN_UNCONFINED
         self.control.sendall(CONTROL_REQUEST.pack(op, memory_cap_mb, len(environment)) + environment)
         head, fds, _, _ = socket.recv_fds(self.control, SPAWN_REPLY.size, 1)
         if not fds:
@@ -131,6 +141,10 @@ class Zygote:
         head += self._read(SPAWN_REPLY.size - len(head), deadline)
         (pid,) = SPAWN_REPLY.unpack(head)
         return SandboxHandle(pid, socket.socket(fileno=fds[0]), memory_cap_mb)
+
+    def retire(self, pid: int) -> None:
+        """The zygote ends a sandbox whose call is done, in passing: nobody waits for it."""
+        send_control(self.control, RETIRE, pid)
 
     def reap(self, pid: int, deadline: float) -> tuple[int, int]:
         self.control.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -199,7 +213,7 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
         while True:
             waiting = [*clients, listener] if listener is not None else list(clients)
             readable, _, _ = select.select(waiting, [], [], 1.0 if unreaped else None)
-            unreaped = {pid for pid in unreaped if not _collected(pid)}
+            unreaped = {pid for pid in unreaped if not _collected(pid, patience=0.0)}
             for conn in readable:
                 if conn is listener:
                     _accept(listener, clients)
@@ -250,8 +264,13 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
     op, value, size = CONTROL_REQUEST.unpack(transport.receive_exactly(conn, CONTROL_REQUEST.size, deadline))
     payload = json.loads(bytes(transport.receive_exactly(conn, size, deadline))) if size else None
     conn.settimeout(REQUEST_TIMEOUT_S)
-    if op in (SPAWN, SPAWN_UNCONFINED):
-        pid, caller_end = _start_sandbox(ours, prep, value, policy if op == SPAWN else None, payload or {})
+    if op in (SPAWN, SPAWN_UNCONFINED, SPAWN_FOR_FILES):
+        deferred = op == SPAWN_FOR_FILES
+        if deferred:
+            zygote_start.import_before_fork((payload or {}).get("imports") or ())
+            payload = (payload or {}).get("environment")
+        pid, caller_end = _start_sandbox(ours, prep, value, policy if op != SPAWN_UNCONFINED else None,
+                                         payload or {}, deferred)
         children.add(pid)
         try:
             socket.send_fds(conn, [SPAWN_REPLY.pack(pid)], [caller_end.fileno()])
@@ -264,6 +283,10 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
         if status == -1:
             unreaped.add(value)
         conn.sendall(REAP_REPLY.pack(status, peak))
+    elif op == RETIRE and value in children:
+        children.discard(value)
+        kill_group(value)
+        unreaped.add(value)  # collected as the loop goes round
     elif op == LEFTOVERS and leftovers is not None and isinstance(payload, list):
         leftovers[:] = [str(folder) for folder in payload]
     else:
@@ -279,8 +302,8 @@ def _end_client(conn, children: set[int], unreaped: set[int]) -> None:
             unreaped.add(pid)
 
 
-def _collected(pid: int) -> bool:
-    status, _ = reap(pid, block=False)
+def _collected(pid: int, patience: float = 2.0) -> bool:
+    status, _ = reap(pid, block=False, patience=patience)
     return status != -1 or not _exists(pid)
 
 
@@ -294,13 +317,13 @@ def _exists(pid: int) -> bool:
         return True
 
 
-def _start_sandbox(ours, prep, memory_cap_mb, policy, environment):
+def _start_sandbox(ours, prep, memory_cap_mb, policy, environment, deferred=False):
     caller_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if not zygote_start.fork_is_safe():
         # A preloaded module started a thread: forking now could deadlock the child.
         log.warning("swift_safe_media: the zygote has threads; starting sandboxes by exec")
-        pid = zygote_start.exec_sandbox(sandbox_end, dict(prep, confine=policy is not None), memory_cap_mb,
-                                        environment)
+        pid = zygote_start.exec_sandbox(sandbox_end, dict(prep, confine=policy is not None, deferred=deferred),
+                                        memory_cap_mb, environment)
         sandbox_end.close()
         return pid, caller_end
     zygote = os.getpid()
@@ -311,7 +334,7 @@ def _start_sandbox(ours, prep, memory_cap_mb, policy, environment):
                 sock.close()
             caller_end.close()
             zygote_start.take_environment(environment)
-            sandbox.become_sandbox(sandbox_end, memory_cap_mb, zygote, policy)
+            sandbox.become_sandbox(sandbox_end, memory_cap_mb, zygote, policy, deferred)
         finally:
             os._exit(70)
     sandbox_end.close()

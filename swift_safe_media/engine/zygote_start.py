@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -145,6 +146,49 @@ def preload(names, still_wanted=lambda: True, on_abandon=None) -> None:
             log.debug("swift_safe_media: preload of %s skipped: %s", name, exc)
 
 
+_left_to_the_sandbox: set[str] = set()  # modules whose import starts a thread
+
+
+def import_before_fork(imports) -> None:
+    """Import each ``(module, folder)`` here once (``folder``, if any, put last on the import
+    path first), so that a sandbox forked for one call starts with them: it would otherwise
+    import them under the call's own timeout, every call. A module whose import starts a
+    thread (tried first in a child) is left to the sandboxes: a zygote with threads can no
+    longer fork safely."""
+    missing = [(name, folder) for name, folder in imports
+               if name not in sys.modules and name not in _left_to_the_sandbox]
+    # pyarrow's jemalloc starts a purging thread as it loads (datasets imports pyarrow):
+    # without it the zygote stays single-threaded, and its sandboxes use little of arrow.
+    os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+    # Libraries that size a pool as they load (OpenCV) start none: one thread, as the
+    # sandboxes' own environment says (environment_for_sandbox), where a zygote forked from
+    # the warm forkserver has the trainer's.
+    os.environ.update({variable: "1" for variable in config.THREAD_ENV_VARS})
+    for name, folder in missing:
+        if folder and folder not in sys.path:
+            sys.path.append(folder)
+        if _import_keeps_one_thread(name):
+            preload([name])
+        else:
+            _left_to_the_sandbox.add(name)
+            log.info("swift_safe_media: importing %s starts a thread; each sandbox imports it itself", name)
+    if missing:
+        gc.collect()
+        gc.freeze()  # as after the preload: the sandboxes' collections leave these pages alone
+
+
+def _import_keeps_one_thread(name: str) -> bool:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            pass
+        os._exit(0 if fork_is_safe() else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
 def fork_is_safe() -> bool:
     try:
         return len(os.listdir("/proc/self/task")) == 1
@@ -155,6 +199,7 @@ def fork_is_safe() -> bool:
 def exec_sandbox(sandbox_end, prep, memory_cap_mb, environment) -> int:
     env = confine_env.allowed(environment or os.environ)
     env.update({name: "1" for name in config.THREAD_ENV_VARS})  # its imports, as the zygote's
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")  # this package first, as for the zygote
     env[_PREP_ENV] = json.dumps(prep)
     os.set_inheritable(sandbox_end.fileno(), True)
     code = (f"from swift_safe_media.engine.zygote_start import exec_sandbox_main; "
@@ -167,6 +212,7 @@ def exec_sandbox_main(fd: int, memory_cap_mb: int, parent: int) -> None:
     apply_preparation(prep)
     preload(prep["preload"])
     try:
-        sandbox.become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent, prepare_confinement(prep))
+        sandbox.become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent, prepare_confinement(prep),
+                               prep.get("deferred", False))
     finally:
         os._exit(70)

@@ -1,0 +1,143 @@
+"""Confinement without exceptions (issue 42): the sandboxes that run stock's own code,
+which opens its media by name, are confined as the twins' are. A call of such code gets
+a sandbox of its own, confined as the call begins with one more Landlock rule: read access
+to the files handed with the call (``engine.BY_NAME``). Real attacks from stand-ins of
+the library openers (:mod:`tests.exploit_standin`): a live loopback listener, /bin/sh, a
+write, a token file under ``$HOME``, ``/etc/shadow``, the trainer's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from swift_safe_media import MediaDecodeError
+from swift_safe_media.confinement import policy as confine
+from swift_safe_media.engine import calls as engine
+
+from . import exploit_standin
+from .fresh import ROOT, clean_environment, run_python
+from .swift_scenario import _ffmpeg
+
+pytestmark = pytest.mark.skipif(confine.landlock_abi() < 1 or confine.seccomp_available() is not None,
+                                reason="the kernel lacks Landlock or seccomp")
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stock_media") / "clip.mp4"
+    _ffmpeg("-f", "lavfi", "-i", "testsrc2=size=160x120:rate=10:duration=1", "-c:v", "libx264",
+            "-pix_fmt", "yuv420p", str(path))
+    return str(path)
+
+
+@pytest.fixture
+def targets(tmp_path, monkeypatch):
+    """What the attacks aim at: a live listener, a folder, a token file under a home folder,
+    this process (the trainer), a secret in its environment."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    home = tmp_path / "home"
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text("hf_SECRET")
+    folder = tmp_path / "target"
+    folder.mkdir()
+    (tmp_path / "target-loose").mkdir()
+    environment = {"EXPLOIT_PORT": str(listener.getsockname()[1]), "EXPLOIT_FOLDER": str(folder),
+                   "EXPLOIT_HOME": str(home), "EXPLOIT_TRAINER": str(os.getpid()),
+                   exploit_standin.SECRET_ENV: "hf_SECRET",
+                   "SWIFT_SAFE_MEDIA_SANDBOX_ENV": "EXPLOIT_PORT,EXPLOIT_FOLDER,EXPLOIT_HOME,EXPLOIT_TRAINER"}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    yield {"listener": listener, "folder": folder, "environment": environment}
+    listener.close()
+
+
+def accepted(listener) -> bool:
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return False
+    conn.close()
+    return True
+
+
+def assert_all_refused(attacks: dict, targets) -> None:
+    assert len(attacks) == 7, attacks
+    assert all(outcome.startswith("refused") for outcome in attacks.values()), attacks
+    assert os.listdir(targets["folder"]) == []
+    assert not accepted(targets["listener"])
+
+
+def read_then_attack(media_path):
+    """In a sandbox for one call: the file opened by name, as stock does, then every attack."""
+    with open(media_path, "rb") as media:
+        head = media.read(8)
+    return head, exploit_standin.attack()
+
+
+def test_a_call_by_name_reads_its_own_file_and_nothing_else(video, targets, fresh_engine):
+    head, attacks = engine.call(read_then_attack, video, confine=engine.BY_NAME)
+    assert head == open(video, "rb").read(8)
+    assert_all_refused(attacks, targets)
+    # The next call's sandbox is a new one: the file handed before is not readable there.
+    # A call handed another file may not read this one.
+    with pytest.raises(MediaDecodeError) as caught:
+        engine.call(read_then_attack, video, path="/datasets/other.mp4", confine=engine.BY_NAME)
+    assert caught.value.path == "/datasets/other.mp4" and "sandbox refused a file access" in str(caught.value)
+
+
+def test_each_call_by_name_gets_a_sandbox_of_its_own(video, fresh_engine):
+    pids = {engine.call(os.getpid, path=video, confine=engine.BY_NAME) for _ in range(3)}
+    assert len(pids) == 3
+
+
+def test_stock_code_behind_the_entry_points_is_confined_and_still_decodes(video, targets, tmp_path):
+    standins = exploit_standin.write_standins(str(tmp_path / "standins"))
+    done = run_python(module="tests.programs.stock_exploit", args=[video], timeout=300,
+                      env=clean_environment({**targets["environment"],
+                                             "PYTHONPATH": os.pathsep.join([standins, ROOT])}))
+    rows = {row.pop("case"): row for row in map(json.loads, filter(None, done.stdout.splitlines()))}
+    assert set(rows) == {"keye_vl_utils.fetch_video", "transformers.load_video decord",
+                         "keye_vl_utils.fetch_video unprotected"}, done.stderr[-3000:]
+    keye = rows["keye_vl_utils.fetch_video"]
+    assert keye["same"] is True
+    assert_all_refused(keye["attacks"], targets)
+    assert rows["transformers.load_video decord"] == {"frames": 4, "same": True}, rows
+    # The same stand-in without protection: the attacks are real and get through.
+    loose = rows["keye_vl_utils.fetch_video unprotected"]["attacks"]
+    assert loose["read a token under $HOME"] == "got: 'hf_SECRET'", loose
+    assert loose["write a file"].startswith("got") and loose["run /bin/sh"] == "got: 'exit 0'", loose
+    assert sorted(os.listdir(f"{targets['folder']}-loose")) == ["pwned-by-exec", "pwned-by-write"]
+
+
+def test_cli_and_doctor_list_each_decode_path_confined_or_why_not():
+    done = run_python(module="swift_safe_media.cli", args=["confinement"], timeout=240)
+    paths = json.loads(done.stdout)["decode_paths"]
+    by_name = "confined: a sandbox per call, which may read the call's own files by name"
+    for name in ("transformers.video_utils.load_video", "transformers.audio_utils.load_audio",
+                 "keye_vl_utils.vision_process.fetch_video", "soundfile.read", "torchaudio.load",
+                 "torchvision.io.video.read_video", "LLaMA-Factory's mm_plugin readers"):
+        assert paths[name] == by_name, (name, paths)
+    assert paths["whisper.audio.load_audio"] == "not confined: it runs the ffmpeg program"
+    assert paths["librosa.core.audio.load"].startswith("not confined: it needs a writable temporary folder")
+    from swift_safe_media.checks import doctor
+
+    line = doctor.decode_paths()
+    assert line.startswith(f"{sum(not how.startswith('not') for how in paths.values())} confined; not confined: ")
+    assert "whisper.audio.load_audio (it runs the ffmpeg program)" in line
+
+
+def test_a_downloads_sandbox_reaches_the_network_and_nothing_else(targets, fresh_engine):
+    """``engine.NETWORK`` (every download: ``fetch``, stock given a URL): it may connect out,
+    as a download must; exec, writes, the token under $HOME, /etc/shadow, the trainer's
+    environment stay refused."""
+    attacks = engine.call(exploit_standin.attack, path="http://127.0.0.1/clip.mp4", confine=engine.NETWORK)
+    assert attacks.pop("connect to a loopback listener") == "got: 'sent'", attacks
+    assert accepted(targets["listener"])
+    assert len(attacks) == 6 and all(outcome.startswith("refused") for outcome in attacks.values()), attacks
+    assert os.listdir(targets["folder"]) == []
