@@ -121,7 +121,7 @@ def test_cli_and_doctor_list_each_decode_path_confined_or_why_not():
     by_name = "confined: a sandbox per call, which may read the call's own files by name"
     for name in ("transformers.video_utils.load_video", "transformers.audio_utils.load_audio",
                  "keye_vl_utils.vision_process.fetch_video", "soundfile.read", "torchaudio.load",
-                 "torchvision.io.video.read_video", "LLaMA-Factory's mm_plugin readers"):
+                 "torchvision.io.video.read_video", "a model's own media loader (remote code)"):
         assert paths[name] == by_name, (name, paths)
     assert paths["whisper.audio.load_audio"] == "not confined: it runs the ffmpeg program"
     assert paths["librosa.core.audio.load"].startswith("not confined: it needs a writable temporary folder")
