@@ -32,6 +32,8 @@ LANDLOCK_RULE_PATH_BENEATH = 1
 # Landlock file-system rights every ABI has.
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FS_TRUNCATE = 1 << 14
+# The rights a rule on one file (not a folder) may carry.
+FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
 RULESET_ATTR_SIZE = {1: 8, 2: 8, 3: 8, 4: 16, 5: 16}  # ABI 6 and later: 24
 
 
@@ -179,14 +181,14 @@ def open_rule_path(path: str, rights: int, folder: bool | None = None):
     except OSError:
         return None
     if not (os.path.isdir(path) if folder is None else folder):
-        rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE
+        rights &= FILE_RIGHTS
     return _PathBeneath(rights, target)
 
 
 def file_rule(fd: int, rights: int):
     """A rule allowing ``rights`` on the one file open as ``fd`` (a copy of it is the
     rule's ``parent_fd``: close that once the rule is added)."""
-    return _PathBeneath(rights & (FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE), os.dup(fd))
+    return _PathBeneath(rights & FILE_RIGHTS, os.dup(fd))
 
 
 # -- installing (in the process to confine) ------------------------------------------------
