@@ -36,6 +36,15 @@ class HandedPath(str):
     __slots__ = ()
 
 
+def special_kind(mode: int) -> str:
+    """What a file that is neither regular nor a folder is, in an error's words."""
+    if stat_module.S_ISFIFO(mode):
+        return "FIFO"
+    if stat_module.S_ISSOCK(mode):
+        return "socket"
+    return "device" if stat_module.S_ISCHR(mode) or stat_module.S_ISBLK(mode) else "special file"
+
+
 def hand(path):
     """``path`` marked to be handed (a ``str``; anything else as it is)."""
     return HandedPath(path) if isinstance(path, str) and not isinstance(path, HandedPath) else path

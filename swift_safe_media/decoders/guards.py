@@ -146,9 +146,7 @@ def check_regular(label, path: str) -> os.stat_result:
     if stat.S_ISDIR(info.st_mode):
         raise MediaDecodeError(label, "is a directory, not a media file")
     if not stat.S_ISREG(info.st_mode):
-        kind = "FIFO" if stat.S_ISFIFO(info.st_mode) else "socket" if stat.S_ISSOCK(info.st_mode) \
-            else "device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode) else "special file"
-        raise MediaDecodeError(label, f"not a regular file ({kind})")
+        raise MediaDecodeError(label, f"not a regular file ({handed.special_kind(info.st_mode)})")
     if info.st_size == 0:
         raise MediaDecodeError(label, "zero-byte file")
     return info

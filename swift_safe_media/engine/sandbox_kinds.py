@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..confinement import policy as confine
+from ..confinement import handed, policy as confine
 from ..errors import MediaDecodeError
 
 _sandbox_setups: list = []
@@ -83,5 +83,4 @@ def refuse_what_cannot_be_handed(names) -> None:
         except (OSError, TypeError, ValueError):
             continue
         if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-            kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
-            raise MediaDecodeError(name, f"not a regular file ({kind})")
+            raise MediaDecodeError(name, f"not a regular file ({handed.special_kind(mode)})")
