@@ -19,6 +19,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -28,6 +29,8 @@ class ProcessState:
     # process's sandboxes, each pool started on its first call
     engines: dict = field(default_factory=dict)
     engine_lock: threading.Lock = field(default_factory=threading.Lock)
+    # zygote_link.ZygoteLink by confinement: the one zygote all of this process's pools fork from
+    zygote_links: dict = field(default_factory=dict)
     budget: object = None  # budget.ErrorBudget: failed samples counted in this process
     recorders: dict = field(default_factory=dict)  # stats folder -> summary.Recorder
     failed_files: object = None  # quarantine.Registry in memory: LeRobot's files that failed here
@@ -66,6 +69,8 @@ def _after_fork_in_child() -> None:
     inherited, _state = _state, ProcessState()
     for engine in inherited.engines.values():
         engine.abandon()
+    for link in inherited.zygote_links.values():
+        link.abandon()
     if inherited.shared_zygote is not None:
         inherited.shared_zygote.abandon()  # the parent's; the child reaches it as a caller
 
@@ -111,3 +116,48 @@ def first_for_the_oom_killer() -> None:
             adj.write(str(OOM_SCORE_ADJ_MAX))
     except OSError:
         pass
+
+
+# Processes the zygote forks (sandboxes), ended by the zygote or by their caller.
+def kill_group(pid: int) -> None:
+    """SIGKILL a sandbox's process group (it leads one: helpers it started go too)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, signal.SIGKILL)  # just forked: not yet the leader of its own group
+        except (ProcessLookupError, PermissionError):
+            pass
+    except PermissionError:
+        pass
+
+
+def reap(pid: int, block: bool = True, patience: float = 2.0) -> tuple[int, int]:
+    """Collect a child of this process: (wait status, peak RSS in KiB), or (-1, 0). With
+    ``block=False`` it waits at most ``patience`` seconds (a shared zygote serves others)."""
+    deadline = time.monotonic() + patience
+    try:
+        while True:
+            got, status, usage = os.wait4(pid, 0 if block else os.WNOHANG)
+            if got:
+                return status, usage.ru_maxrss
+            if time.monotonic() > deadline:
+                return -1, 0
+            time.sleep(0.002)
+    except ChildProcessError:
+        return -1, 0
+
+
+def collected(pid: int, patience: float = 2.0) -> bool:
+    status, _ = reap(pid, block=False, patience=patience)
+    return status != -1 or not exists(pid)
+
+
+def exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

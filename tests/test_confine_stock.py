@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import pytest
 
@@ -96,6 +97,60 @@ def test_each_call_by_name_gets_a_sandbox_of_its_own(video, fresh_engine):
     assert len(pids) == 3
 
 
+def started_and_setting(name):
+    """In a sandbox: its pid, when it started (clock ticks since boot), a setting's value."""
+    with open("/proc/self/stat") as stat:
+        started = int(stat.read().rsplit(")", 1)[1].split()[19])
+    return os.getpid(), started, os.environ.get(name)
+
+
+def ticks_since_boot() -> float:
+    with open("/proc/uptime") as uptime:
+        return float(uptime.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+
+
+def test_the_next_calls_sandbox_is_forked_ahead_and_follows_the_environment(video, fresh_engine, monkeypatch):
+    """A call by name takes a sandbox forked while the call before it ran (the fork of a
+    zygote full of imports is off the call's path); one forked before the sandbox's
+    environment changed is ended, never used."""
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_SANDBOX_ENV", "SPARE_PROBE")
+    monkeypatch.setenv("SPARE_PROBE", "before")
+    first, _, seen = engine.call(started_and_setting, "SPARE_PROBE", path=video, confine=engine.BY_NAME)
+    assert seen == "before"
+    time.sleep(0.5)
+    asked = ticks_since_boot()
+    second, started, seen = engine.call(started_and_setting, "SPARE_PROBE", path=video, confine=engine.BY_NAME)
+    assert second != first and seen == "before"
+    assert started < asked - 0.2 * os.sysconf("SC_CLK_TCK"), (started, asked)  # ready before it was asked for
+    monkeypatch.setenv("SPARE_PROBE", "after")
+    third, _, seen = engine.call(started_and_setting, "SPARE_PROBE", path=video, confine=engine.BY_NAME)
+    assert third not in (first, second) and seen == "after"
+
+
+def zygotes_here() -> list[int]:
+    children = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as listed:
+            children += [int(pid) for pid in listed.read().split()]
+    names = {}
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                names[pid] = comm.read().strip()
+        except OSError:
+            pass
+    return [pid for pid, name in names.items() if name == "ssm-zygote"]
+
+
+def test_every_kind_of_sandbox_forks_from_one_zygote(video, fresh_engine):
+    """Pooled confined, unconfined, one per call by name, a download's: one zygote serves
+    them all, so a kind's first call never waits for a zygote of its own to start."""
+    pids = {engine.call(os.getpid, path=video, confine=kind)
+            for kind in (True, False, engine.BY_NAME, engine.NETWORK)}
+    assert len(pids) == 4
+    assert len(zygotes_here()) == 1, zygotes_here()
+
+
 def test_stock_code_behind_the_entry_points_is_confined_and_still_decodes(video, targets, tmp_path):
     standins = exploit_standin.write_standins(str(tmp_path / "standins"))
     done = run_python(module="tests.programs.stock_exploit", args=[video], timeout=300,
@@ -121,7 +176,7 @@ def test_cli_and_doctor_list_each_decode_path_confined_or_why_not():
     by_name = "confined: a sandbox per call, which may read the call's own files by name"
     for name in ("transformers.video_utils.load_video", "transformers.audio_utils.load_audio",
                  "keye_vl_utils.vision_process.fetch_video", "soundfile.read", "torchaudio.load",
-                 "torchvision.io.video.read_video", "a model's own media loader (remote code)"):
+                 "torchvision.io.video.read_video", "LLaMA-Factory's mm_plugin readers"):
         assert paths[name] == by_name, (name, paths)
     assert paths["whisper.audio.load_audio"] == "not confined: it runs the ffmpeg program"
     assert paths["librosa.core.audio.load"].startswith("not confined: it needs a writable temporary folder")

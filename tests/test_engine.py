@@ -49,7 +49,7 @@ def test_sandbox_is_persistent_and_isolated(fresh_engine, monkeypatch):
     assert first["pid"] == second["pid"] != os.getpid()
     assert first["pgid"] == first["pid"], "the sandbox leads its own process group"
     assert first["threads"] == 1 and first["omp"] == "1"
-    zygote = get_engine()._zygote.process
+    zygote = get_engine()._link.zygote.process
     assert first["ppid"] == zygote.pid
     with open(f"/proc/{zygote.pid}/cmdline", "rb") as cmdline:
         assert b"zygote_main" in cmdline.read(), "the zygote is a fresh interpreter, not a fork"
@@ -325,7 +325,7 @@ def test_clean_exit_leaves_no_processes_or_shared_memory():
 
 def test_shutdown_reaps_everything(fresh_engine):
     call(sandboxed.add, 1, 1)
-    zygote = get_engine()._zygote.process.pid
+    zygote = get_engine()._link.zygote.process.pid
     swift_safe_media.shutdown()
     assert process_state(zygote) is None
     ours = []
@@ -357,12 +357,12 @@ def test_shared_blocks_are_reused_only_after_the_caller_drops_them():
 
 def test_a_killed_zygote_is_restarted(fresh_engine):
     call(sandboxed.add, 1, 1)
-    zygote = get_engine()._zygote.process
+    zygote = get_engine()._link.zygote.process
     zygote.kill()
     zygote.wait()
     # The idle sandbox died with its zygote (PR_SET_PDEATHSIG); the next call notices both.
     assert call(sandboxed.add, 2, 2, timeout=60) == 4
-    assert get_engine()._zygote.process.pid != zygote.pid
+    assert get_engine()._link.zygote.process.pid != zygote.pid
 
 
 def test_more_sandboxes_run_threads_in_parallel(fresh_engine, monkeypatch):

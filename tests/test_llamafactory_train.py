@@ -74,8 +74,8 @@ def test_protected_llamafactory_train_drops_every_bad_row_and_names_it(built, tm
     assert steps_done(output) == int(built["good_rows"]), output[-4000:]
     for name, path in bad_files(built).items():
         assert f"swift_safe_media: dropped 1 row from the dataset: {path}: " in output, (name, output[-4000:])
-    assert f"dropped 1 row from the dataset: {built['media:fifo.wav']}: decode overran its {TIMEOUT_S} s timeout" \
-        in output
+    # Read in a confined sandbox per call, which reads only regular files: named before it starts.
+    assert f"dropped 1 row from the dataset: {built['media:fifo.wav']}: not a regular file (FIFO)" in output
     # The workers come from the warm forkserver (the Omni collator's model travels as a meta
     # copy), not from forking the trainer; nothing of the run outlives it.
     assert "swift_safe_media: DataLoader workers use the 'forkserver' start method" in output, output[-4000:]
@@ -87,7 +87,7 @@ def test_protected_llamafactory_train_drops_every_bad_row_and_names_it(built, tm
     registry = output_dir / "safe_media" / "quarantine.jsonl"
     assert {entry["path"] for entry in quarantine.entries(registry)} == set(bad_files(built).values())
     summary = json.loads((output_dir / "safe_media" / "safe_media_summary.json").read_text())
-    assert summary["step"] == int(built["good_rows"]) and summary["timeout"] == 1 and summary["error"] == 2, summary
+    assert summary["step"] == int(built["good_rows"]) and summary["timeout"] == 0 and summary["error"] == 3, summary
     assert summary["ok"] > 0 and summary["processes"] >= 2, summary  # the trainer and its DataLoader workers
 
 
@@ -132,5 +132,54 @@ def test_files_that_fail_at_collation_are_substituted_in_the_workers(built, tmp_
     assert steps_done(output) == len(good), output[-4000:]
     for path in (fifo, cut):
         assert re.search(rf"swift_safe_media: .*{re.escape(str(path))}: .*substituted by", output), (path, output[-4000:])
-    assert f"{fifo}: decode overran its {TIMEOUT_S} s timeout" in output
+    # A video: read in a confined sandbox per call, which reads only regular files.
+    assert f"{fifo}: not a regular file (FIFO)" in output, output[-4000:]
     assert not left_behind(run["seen"])
+
+
+@pytest.mark.timeout(900)
+def test_an_exploited_pyav_inside_a_real_run_reaches_nothing(built, tmp_path):
+    """Issue 42: LLaMA-Factory's reader opens the file by name with PyAV; with PyAV's opener
+    taken over (tests/exploit_standin.py) every attack of the issue runs in the confined
+    sandbox of that one call: a loopback listener, /bin/sh, a write, a token under $HOME,
+    /etc/shadow, the trainer's environment. Each is refused, the row is dropped and named,
+    the others train, and the token's value never reaches the log."""
+    import socket
+
+    from . import exploit_standin
+
+    exploit = tmp_path / "exploit.mp4"
+    shutil.copy(built["media:good_0.mp4"], exploit)
+    scenario.build_dataset(Path(built["dataset_dir"]), [built["media:good_1.mp4"], str(exploit),
+                                                        built["media:tone_0.wav"]], "exploit")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    home, folder = tmp_path / "home", tmp_path / "target"
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text("hf_SECRET_TOKEN_FILE")
+    folder.mkdir()
+    standin = exploit_standin.write_pyav_standin(str(tmp_path / "standin"))
+    env = {"PYTHONPATH": os.pathsep.join([standin, str(REPO)]), "HF_TOKEN": "hf_SECRET_ENV",
+           "EXPLOIT_PORT": str(listener.getsockname()[1]), "EXPLOIT_FOLDER": str(folder),
+           "EXPLOIT_HOME": str(home), "EXPLOIT_TRAINER": "1",
+           "SWIFT_SAFE_MEDIA_SANDBOX_ENV": "EXPLOIT_PORT,EXPLOIT_FOLDER,EXPLOIT_HOME,EXPLOIT_TRAINER"}
+    try:
+        run = train(built, tmp_path / "out", env=env, dataset="exploit",
+                    extra={"safe_media": True, "safe_media_timeout": 30})
+        connected = True
+        try:
+            listener.accept()[0].close()
+        except OSError:
+            connected = False
+    finally:
+        listener.close()
+    output = run["output"]
+    assert run["returncode"] == 0, output[-4000:]
+    assert steps_done(output) == 2, output[-4000:]
+    [dropped] = [line for line in output.splitlines()
+                 if f"dropped 1 row from the dataset: {exploit}: " in line and "EXPLOIT RAN" in line]
+    assert "EXPLOIT RAN RRRRRRR:" in dropped or dropped.rstrip().endswith("EXPLOIT RAN RRRRRRR"), dropped
+    assert not connected and os.listdir(folder) == []
+    assert "hf_SECRET" not in output

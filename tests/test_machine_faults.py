@@ -91,11 +91,11 @@ def test_a_sandbox_killed_from_outside_mid_decode_is_retried_not_quarantined(run
 def test_the_zygote_killed_mid_decode_is_replaced_and_the_decode_retried(run_folder, clips, capfd):
     clip = clips["valid"][1]
     call(sandboxed.add, 1, 1)
-    zygote = get_engine()._zygote.process.pid
+    zygote = get_engine()._link.zygote.process.pid
     sandbox = call(sandboxed.sandbox_pid)
     kill_later(zygote, 0.5)
     assert call(sandboxed.sleep_then_return, 1.5, "decoded", path=clip, timeout=20) == "decoded"
-    assert get_engine()._zygote.process.pid != zygote
+    assert get_engine()._link.zygote.process.pid != zygote
     err = capfd.readouterr().err
     assert "its zygote is gone" in err and "trying again in a fresh sandbox" in err, err
     assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []

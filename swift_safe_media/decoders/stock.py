@@ -84,7 +84,7 @@ def import_in_sandbox(module: str, confined: bool) -> None:
 def _prepare_sandboxes(module: str, confined) -> None:
     if (module, confined) not in _prepared:
         _prepared.add((module, confined))
-        if confined == engine.BY_NAME:  # a sandbox per call: the zygote imports it once
+        if confined in (engine.BY_NAME, engine.NETWORK):  # a sandbox per call: the zygote imports it once
             engine.import_before_fork(module, code_folder(module))
         else:
             engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
@@ -140,8 +140,8 @@ def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: s
         kwargs = {key: _sendable(arg) for key, arg in kwargs.items()}
 
         # Stock opens the file by name: a confined sandbox of its own, which may read that file
-        # (a URL: an unconfined one, as a download).
-        confined = confine and not _is_url(label) and engine.by_name()
+        # (a URL: one that may connect out instead).
+        confined = confine and (engine.NETWORK if _is_url(label) else engine.by_name())
         _prepare_sandboxes(module, confined)
 
         def run(args, kwargs):
@@ -199,7 +199,7 @@ def _load_video_with_local_sampler(run, args, kwargs):
     label = _label(args[0] if args else kwargs.get("video"))
     rest = {key: value for key, value in kwargs.items() if key != "sample_indices_fn"}
     metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label,
-                                           confine=False if _is_url(label) else engine.by_name())
+                                           confine=engine.NETWORK if _is_url(label) else engine.by_name())
     indices = sampler(metadata=metadata, **sampler_kwargs)
     return run(args, {**rest, "sample_indices_fn": functools.partial(_given_indices, indices)})
 
@@ -265,13 +265,10 @@ def decode_paths(confined: bool, reads_limited: bool) -> dict[str, str]:
             "confined: the media handed as open descriptors",
         **{name: by_name if how == CONFINED_BY_NAME else how for name, how in DECODE_PATHS.items()},
         "a model's own media loader (remote code)": by_name,
-        "LLaMA-Factory's mm_plugin readers": "not confined: they open files by name natively, and a sandbox "
-                                             "per call is not used for them yet (confined where "
-                                             "SWIFT_SAFE_MEDIA_READ_ROOTS covers the media)",
+        "LLaMA-Factory's mm_plugin readers": by_name,
         "a function under @isolated or call()": "confined: the media handed as open descriptors "
                                                 "(confine=False: not confined, as its author chose)",
-        "media URLs (downloads, stock given a URL)": "not confined: a download needs the network (isolated, "
-                                                     "bounded, allow-listed environment; `swift deploy` "
-                                                     "refuses internal addresses)",
+        "media URLs (downloads, stock given a URL)": "confined but for connecting out: a sandbox per call "
+                                                     "(`swift deploy` refuses internal addresses)",
         "a LeRobot dataset streamed from the Hub": "not confined: the Hub's client reads and writes its cache",
     }

@@ -100,8 +100,8 @@ class SharedTimeout:
 
 def fetch(fn, *args, path, timeout: float | None = None) -> tuple[object, float, float]:
     """The first step of a decode of ``path`` that needs the network (a download): runs
-    in an unconfined sandbox, so only its result reaches the confined decode (a download's
-    own confined sandbox, ``NETWORK``, is not used here yet: it starts a zygote of its own). Quarantine
+    in a download's sandbox (``NETWORK``: confined, but it may connect out), so only its
+    result reaches the confined decode. Quarantine
     and failures count as for that decode; a success is not counted (the decode is).
 
     Returns ``(result, deadline, timeout)``: the step and the decode after it share one
@@ -111,7 +111,7 @@ def fetch(fn, *args, path, timeout: float | None = None) -> tuple[object, float,
     if in_sandbox():
         return fn(*args), time.monotonic() + timeout, timeout
     started = []
-    result = _call(fn, args, {}, timeout, path, confined=False, count_success=False,
+    result = _call(fn, args, {}, timeout, path, confined=NETWORK, count_success=False,
                    on_start=lambda: started.append(time.monotonic()))
     return result, (started[0] if started else time.monotonic()) + timeout, timeout
 

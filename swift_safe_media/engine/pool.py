@@ -28,8 +28,8 @@ from . import faults, sandbox as sandbox_side, transport
 from .faults import RemoteTraceback, describe_status  # noqa: F401  (RemoteTraceback: part of the API)
 from .sandbox_kinds import (BY_NAME, NETWORK, PER_CALL, by_name, forget_sandbox_setup, import_before_fork,  # noqa: F401
                             imports_before_fork, refuse_what_cannot_be_handed, sandbox_setups, set_up_sandboxes)
-from .shared_zygote import shared_address
-from .zygote import SandboxHandle, Zygote
+from .zygote import SandboxHandle
+from .zygote_link import ZygoteLink, for_this_process
 
 log = logging.getLogger("swift_safe_media")
 
@@ -39,13 +39,12 @@ class SandboxPool:
     functions that need the network, or (``BY_NAME``) a confined sandbox per call, its
     files readable by name."""
 
-    def __init__(self, confined: bool | str = True):
+    def __init__(self, confined: bool | str = True, link: ZygoteLink | None = None):
         self.per_call, self.network = confined in PER_CALL, confined == NETWORK
         self.confined = bool(confined)
         self._lock = threading.Condition()
-        self._zygote: Zygote | None = None
-        self._zygote_lock = threading.Lock()
-        self._shared_failed = False  # the rank's shared zygote failed us: use our own from now on
+        self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
+        self._spare = None  # per call: the next call's sandbox, asked for ahead (zygote.SpawnAhead)
         self._idle: list[SandboxHandle] = []
         self._busy = 0
         self._closed = False
@@ -58,8 +57,7 @@ class SandboxPool:
             while True:
                 if self._closed:
                     raise RuntimeError("swift_safe_media engine is shut down")
-                if self._idle and (self._zygote is None or not self._zygote.is_alive()):
-                    self._drop_orphaned_sandboxes()
+                self._drop_orphaned_sandboxes()
                 memory_cap_mb = config.max_memory_mb()
                 while self._idle:
                     box = self._idle.pop()
@@ -85,10 +83,11 @@ class SandboxPool:
             raise
 
     def _drop_orphaned_sandboxes(self) -> None:
-        """Sandboxes of a dead zygote are dying of PR_SET_PDEATHSIG, maybe not dead yet."""
-        for box in self._idle:
+        """Sandboxes of a dead (or replaced) zygote are dying of PR_SET_PDEATHSIG, maybe not dead yet."""
+        orphans = [box for box in self._idle if not self._link.serves(box.origin)]
+        for box in orphans:
             box.kill()
-        self._idle.clear()
+            self._idle.remove(box)
 
     def _checkin(self, box: SandboxHandle) -> None:
         with self._lock:
@@ -102,12 +101,12 @@ class SandboxPool:
             self._checkin(box)
             return
         box.kill()
-        with self._zygote_lock:
+        with self._link.lock:
             try:
-                if self._zygote is not None:
-                    self._zygote.retire(box.pid)
+                if self._link.serves(box.origin):
+                    box.origin.retire(box.pid)
             except OSError:
-                self._drop_zygote()
+                self._link.drop()
         self._release_slot()
 
     def _release_slot(self) -> None:
@@ -117,60 +116,57 @@ class SandboxPool:
 
     def _spawn(self, deadline: float | None = None) -> SandboxHandle:
         deadline = deadline or time.monotonic() + config.start_timeout()
-        with self._zygote_lock:
+        link = self._link
+        with link.lock:
             while True:
-                if self._zygote is None or not self._zygote.is_alive():
-                    self._drop_zygote()
-                    self._zygote = self._open_zygote()
+                zygote = link.current()
                 try:
-                    box = self._zygote.spawn(config.max_memory_mb(), deadline, self.confined,
-                                             (() if self.network else imports_before_fork()) if self.per_call else None)
+                    box = self._spare_sandbox(zygote, deadline) if self.per_call else \
+                        zygote.spawn(config.max_memory_mb(), deadline, self.confined)
                     break
                 except (OSError, EOFError) as exc:
-                    shared = self._zygote.process is None
-                    self._drop_zygote()  # a reply may still be on its way: the channel is out of step
+                    shared = zygote.process is None
+                    link.drop()  # a reply may still be on its way: the channel is out of step
                     # A slow answer is not a dead zygote (it may be importing, or forking
                     # for another caller): only a refused or broken connection is.
                     if not shared or isinstance(exc, TimeoutError) or time.monotonic() >= deadline:
                         raise
-                    self._shared_unusable(exc)  # then once more, with a zygote of our own
+                    link.shared_unusable(exc)  # then once more, with a zygote of our own
                 except BaseException:
-                    self._drop_zygote()
+                    link.drop()
                     raise
+        box.origin = zygote
         self.stats["sandboxes_started"] += 1
         return box
 
-    def _open_zygote(self) -> Zygote:
-        """The rank's shared zygote when there is one (see :class:`~.shared_zygote.SharedZygote`),
-        else a zygote of this process's own."""
-        address = None if self._shared_failed else shared_address(self.confined)
-        if address is not None:
-            try:
-                return Zygote.connect(address)
-            except OSError as exc:
-                self._shared_unusable(exc)
-        return Zygote(config.start_timeout(), self.confined)
-
-    def _shared_unusable(self, exc) -> None:
-        self._shared_failed = True
-        log.warning("swift_safe_media: the shared zygote is not answering (%s); this process "
-                    "starts its own", exc)
-
-    def _drop_zygote(self) -> None:
-        if self._zygote is not None:
-            self._zygote.close(wait=0.5)
-            self._zygote = None
+    def _spare_sandbox(self, zygote, deadline: float) -> SandboxHandle:
+        """A sandbox for one call: the one asked for ahead (forked while the last call ran)
+        when it fits this call, and the next one asked for now (:meth:`.Zygote.spawn_ahead`;
+        the fork, some 20 ms of a zygote full of imports, is off the call's path)."""
+        memory_cap_mb, imports = config.max_memory_mb(), () if self.network else imports_before_fork()
+        spare, self._spare = self._spare, None
+        box = None
+        if spare is not None and spare.zygote is zygote:
+            box = spare.sandbox(deadline)
+            if not spare.matches(zygote, memory_cap_mb, imports):  # the environment changed since
+                box.kill()
+                zygote.retire(box.pid)
+                box = None
+        if box is None:
+            box = zygote.spawn(memory_cap_mb, deadline, self.confined, imports)
+        self._spare = zygote.spawn_ahead(memory_cap_mb, self.confined, imports)
+        return box
 
     def _end(self, box: SandboxHandle) -> tuple[int, int]:
         """Kill the sandbox's whole process group, then collect its exit status."""
         box.kill()
-        with self._zygote_lock:
-            if self._zygote is None:
+        with self._link.lock:
+            if not self._link.serves(box.origin):
                 return -1, 0
             try:
-                return self._zygote.reap(box.pid, time.monotonic() + 5.0)
+                return box.origin.reap(box.pid, time.monotonic() + 5.0)
             except (OSError, EOFError):
-                self._drop_zygote()
+                self._link.drop()
                 return -1, 0
 
     def _discard_quietly(self, box: SandboxHandle) -> None:
@@ -182,8 +178,7 @@ class SandboxPool:
         """End a failed sandbox and start its successor now, so the next call finds it ready."""
         killed_at = time.monotonic()
         status = self._end(box)
-        zygote = self._zygote
-        if zygote is None or not zygote.is_alive():
+        if not self._link.serves(box.origin):
             self._release_slot()  # restarting a zygote takes seconds: leave it to the next call
             return status
         try:
@@ -316,17 +311,18 @@ class SandboxPool:
             idle, self._idle = self._idle, []
         for box in idle:
             box.conn.close()
-        with self._zygote_lock:
-            if self._zygote is not None:
-                self._zygote.close()
-                self._zygote = None
+        with self._link.lock:
+            spare, self._spare = self._spare, None
+            if spare is not None and spare.box is not None:
+                spare.box.kill()  # one whose reply is unread dies with the zygote's connection
 
     def abandon(self) -> None:
         for box in self._idle:
             box.conn.close()
         self._idle = []
-        if self._zygote is not None:
-            self._zygote.abandon()
+        if self._spare is not None and self._spare.box is not None:
+            self._spare.box.conn.close()
+        self._spare = None
 
 
 def _encode_request(fn, args, kwargs):
@@ -359,11 +355,12 @@ def get_engine(confined: bool | str | None = None) -> SandboxPool:
     state = process.current()
     engine = state.engines.get(confined)
     if engine is None:
+        link = for_this_process()
         with state.engine_lock:
             if confined not in state.engines:
                 if confined:
                     confine.warn_once_if_missing()
-                state.engines[confined] = SandboxPool(confined)
+                state.engines[confined] = SandboxPool(confined, link)
             engine = state.engines[confined]
     return engine
 
@@ -377,6 +374,11 @@ def shutdown() -> None:
         state.engines.clear()
     for engine in engines:
         engine.close()
+    with state.engine_lock:
+        links = list(state.zygote_links.values())
+        state.zygote_links.clear()
+    for link in links:  # each zygote after its pools: their sandboxes go first
+        link.close()
     if state.shared_zygote is not None:  # after its callers here: their sandboxes go first
         state.shared_zygote.close()
         state.shared_zygote = None

@@ -68,6 +68,7 @@ class SandboxHandle:
         self.pid, self.conn, self.memory_cap_mb = pid, conn, memory_cap_mb
         self.blocks = transport.MappedBlocks()
         self.setups_done = 0  # how many of the pool's sandbox setups have run here
+        self.origin = None  # the Zygote that forked it (the only one that may reap it)
 
     def hand_back_blocks(self, deadline) -> None:
         """Tell the sandbox which of its arena blocks no array here views any more."""
@@ -83,7 +84,7 @@ class SandboxHandle:
 
     def kill(self) -> None:
         """Kill the sandbox's whole process group and close our end (reap with the zygote)."""
-        kill_group(self.pid)
+        process.kill_group(self.pid)
         self.conn.close()
 
 
@@ -93,6 +94,7 @@ class Zygote:
     the one its rank shares with its DataLoader workers (``Zygote.connect(address)``)."""
 
     def __init__(self, start_timeout: float, confined: bool = True):
+        self._pending: list[SpawnAhead] = []  # spawns asked ahead, their replies not read yet
         caller_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.process = zygote_start.popen_zygote(zygote_end)
         zygote_end.close()
@@ -112,7 +114,7 @@ class Zygote:
         """A connection to a shared zygote (``OSError`` if nobody listens there any more).
         Its sandboxes die when this connection closes: with this process, say."""
         client = cls.__new__(cls)
-        client.process = None
+        client.process, client._pending = None, []
         client.control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             client.control.connect(address)
@@ -128,25 +130,43 @@ class Zygote:
               for_files: tuple[str, ...] | None = None) -> SandboxHandle:
         """A new sandbox; ``for_files``: one for a call of code that opens its files by name,
         confined as that call begins, the zygote importing these modules first."""
+        return self.spawn_ahead(memory_cap_mb, confined, for_files).sandbox(deadline)
+
+    def spawn_ahead(self, memory_cap_mb: int, confined: bool = True,
+                    for_files: tuple[str, ...] | None = None) -> "SpawnAhead":
+        """Ask for a sandbox now and take it later (:meth:`SpawnAhead.sandbox`): the zygote
+        forks it while the caller goes on (the next call's sandbox, while this call runs)."""
         environment = zygote_start.environment_for_sandbox()
         if for_files is not None:
             environment = {"environment": environment, "imports": list(for_files)}
-        environment = json.dumps(environment).encode()
-        self.control.settimeout(max(deadline - time.monotonic(), 0.001))
+        body = json.dumps(environment).encode()
+        self._collect_replies(time.monotonic() + REQUEST_TIMEOUT_S)
         op = SPAWN_FOR_FILES if for_files is not None else SPAWN if confined else SPAWN_UNCONFINED
-        self.control.sendall(CONTROL_REQUEST.pack(op, memory_cap_mb, len(environment)) + environment)
-        head, fds, _, _ = socket.recv_fds(self.control, SPAWN_REPLY.size, 1)
-        if not fds:
-            raise EOFError("the zygote sent no sandbox")
-        head += self._read(SPAWN_REPLY.size - len(head), deadline)
-        (pid,) = SPAWN_REPLY.unpack(head)
-        return SandboxHandle(pid, socket.socket(fileno=fds[0]), memory_cap_mb)
+        send_control(self.control, op, memory_cap_mb, environment)
+        pending = SpawnAhead(self, memory_cap_mb, body)
+        self._pending.append(pending)
+        return pending
+
+    def _collect_replies(self, deadline: float) -> None:
+        """Read the replies to the spawns asked ahead, in order (the channel's next bytes)."""
+        while self._pending:
+            pending = self._pending[0]
+            self.control.settimeout(max(deadline - time.monotonic(), 0.001))
+            head, fds, _, _ = socket.recv_fds(self.control, SPAWN_REPLY.size, 1)
+            if not fds:
+                raise EOFError("the zygote sent no sandbox")
+            head += self._read(SPAWN_REPLY.size - len(head), deadline)
+            (pid,) = SPAWN_REPLY.unpack(head)
+            pending.box = SandboxHandle(pid, socket.socket(fileno=fds[0]), pending.memory_cap_mb)
+            pending.box.origin = self
+            self._pending.pop(0)
 
     def retire(self, pid: int) -> None:
         """The zygote ends a sandbox whose call is done, in passing: nobody waits for it."""
         send_control(self.control, RETIRE, pid)
 
     def reap(self, pid: int, deadline: float) -> tuple[int, int]:
+        self._collect_replies(deadline)
         self.control.settimeout(max(deadline - time.monotonic(), 0.001))
         self.control.sendall(CONTROL_REQUEST.pack(REAP, pid, 0))
         return REAP_REPLY.unpack(self._read(REAP_REPLY.size, deadline))
@@ -154,6 +174,11 @@ class Zygote:
     def is_alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
+        if self._pending:  # a reply on its way is not an end
+            try:
+                self._collect_replies(time.monotonic() + REQUEST_TIMEOUT_S)
+            except (OSError, EOFError):
+                return False
         return _peer_open(self.control)  # a zygote writes only replies: between requests, EOF
 
     def close(self, wait: float = 2.0) -> None:
@@ -176,6 +201,27 @@ class Zygote:
         self.control.close()
         if self.process is not None:
             self.process.returncode = 0  # keeps Popen.__del__ from tracking the parent's child
+
+
+class SpawnAhead:
+    """A sandbox asked of a zygote (:meth:`Zygote.spawn_ahead`), its reply maybe unread."""
+
+    def __init__(self, zygote: Zygote, memory_cap_mb: int, request: bytes):
+        self.zygote, self.memory_cap_mb, self.request = zygote, memory_cap_mb, request
+        self.box: SandboxHandle | None = None
+
+    def sandbox(self, deadline: float) -> SandboxHandle:
+        """The sandbox, once the zygote has forked it (the caller holds the zygote's lock)."""
+        if self.box is None:
+            self.zygote._collect_replies(deadline)
+        return self.box
+
+    def matches(self, zygote: Zygote, memory_cap_mb: int, for_files) -> bool:
+        """Whether a call now would ask for this very sandbox (same zygote, cap, environment
+        and imports): else it is ended and another one asked for."""
+        environment = {"environment": zygote_start.environment_for_sandbox(), "imports": list(for_files)}
+        return zygote is self.zygote and memory_cap_mb == self.memory_cap_mb \
+            and json.dumps(environment).encode() == self.request
 
 
 # -- zygote side ----------------------------------------------------------------------
@@ -213,7 +259,7 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
         while True:
             waiting = [*clients, listener] if listener is not None else list(clients)
             readable, _, _ = select.select(waiting, [], [], 1.0 if unreaped else None)
-            unreaped = {pid for pid in unreaped if not _collected(pid, patience=0.0)}
+            unreaped = {pid for pid in unreaped if not process.collected(pid, patience=0.0)}
             for conn in readable:
                 if conn is listener:
                     _accept(listener, clients)
@@ -229,10 +275,10 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
         # The caller is gone or done: nothing of ours may outlive it.
         for children in clients.values():
             for pid in children:
-                kill_group(pid)
+                process.kill_group(pid)
         for children in clients.values():
             for pid in children:
-                reap(pid)
+                process.reap(pid)
         clean_up()
         os._exit(0)
 
@@ -278,14 +324,14 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
             caller_end.close()
     elif op == REAP and value in children:  # only a connection's own sandboxes
         children.discard(value)
-        kill_group(value)
-        status, peak = reap(value, block=False)
+        process.kill_group(value)
+        status, peak = process.reap(value, block=False)
         if status == -1:
             unreaped.add(value)
         conn.sendall(REAP_REPLY.pack(status, peak))
     elif op == RETIRE and value in children:
         children.discard(value)
-        kill_group(value)
+        process.kill_group(value)
         unreaped.add(value)  # collected as the loop goes round
     elif op == LEFTOVERS and leftovers is not None and isinstance(payload, list):
         leftovers[:] = [str(folder) for folder in payload]
@@ -296,25 +342,10 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
 def _end_client(conn, children: set[int], unreaped: set[int]) -> None:
     conn.close()
     for pid in children:
-        kill_group(pid)
+        process.kill_group(pid)
     for pid in children:
-        if not _collected(pid):
+        if not process.collected(pid):
             unreaped.add(pid)
-
-
-def _collected(pid: int, patience: float = 2.0) -> bool:
-    status, _ = reap(pid, block=False, patience=patience)
-    return status != -1 or not _exists(pid)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def _start_sandbox(ours, prep, memory_cap_mb, policy, environment, deferred=False):
@@ -339,33 +370,3 @@ def _start_sandbox(ours, prep, memory_cap_mb, policy, environment, deferred=Fals
             os._exit(70)
     sandbox_end.close()
     return pid, caller_end
-
-
-# -- both sides -----------------------------------------------------------------------
-def kill_group(pid: int) -> None:
-    """SIGKILL a sandbox's process group (it leads one: helpers it started go too)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        try:
-            os.kill(pid, signal.SIGKILL)  # just forked: not yet the leader of its own group
-        except (ProcessLookupError, PermissionError):
-            pass
-    except PermissionError:
-        pass
-
-
-def reap(pid: int, block: bool = True, patience: float = 2.0) -> tuple[int, int]:
-    """Collect a child of this process: (wait status, peak RSS in KiB), or (-1, 0). With
-    ``block=False`` it waits at most ``patience`` seconds (a shared zygote serves others)."""
-    deadline = time.monotonic() + patience
-    try:
-        while True:
-            got, status, usage = os.wait4(pid, 0 if block else os.WNOHANG)
-            if got:
-                return status, usage.ru_maxrss
-            if time.monotonic() > deadline:
-                return -1, 0
-            time.sleep(0.002)
-    except ChildProcessError:
-        return -1, 0

@@ -18,7 +18,7 @@ from multiprocessing import forkserver
 def main() -> None:
     import swift_safe_media
     from swift_safe_media.records import watchdog
-    from swift_safe_media.engine import zygote  # their /proc helpers: what runs below this process
+    from swift_safe_media import process  # whether a process still exists
 
     server = forkserver._forkserver
     ensure_running, started = server.ensure_running, []
@@ -36,7 +36,7 @@ def main() -> None:
     print("settings:", sorted(name for name in os.environ if name.startswith("SWIFT_SAFE_MEDIA")))
     # CPython's resource tracker, if anything (its forkserver starts one, and it ends with this process).
     print("children:", sorted(str(watchdog._cmdline(pid)).strip() for pid in watchdog._descendants(os.getpid())))
-    print("forkserver started:", started[:1], "alive:", [pid for pid in started[:1] if zygote._exists(pid)])
+    print("forkserver started:", started[:1], "alive:", [pid for pid in started[:1] if process.exists(pid)])
     print("forkserver:", server._forkserver_pid, "preload:", server._preload_modules)
 
 

@@ -34,7 +34,7 @@ def fresh(**env):
 
 def main() -> None:
     found = {"cores": config.usable_cores(), "alone": call(sandboxed.decode_threads)}
-    zygote = swift_safe_media.engine.calls.get_engine()._zygote.process.pid
+    zygote = swift_safe_media.engine.calls.get_engine()._link.zygote.process.pid
     found["zygote_threads"] = len(os.listdir(f"/proc/{zygote}/task"))  # still safe to fork
     loader = DataLoader(Ask(), batch_size=None, num_workers=2, multiprocessing_context="fork")
     found["workers"] = [json.loads(item) for item in loader]

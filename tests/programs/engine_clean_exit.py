@@ -15,7 +15,7 @@ def main() -> None:
 
     frames = call(sandboxed.big_frames, 360, 640)
     assert frames.shape == (32, 360, 640, 3)
-    print(get_engine()._zygote.process.pid, call(sandboxed.sandbox_pid), flush=True)
+    print(get_engine()._link.zygote.process.pid, call(sandboxed.sandbox_pid), flush=True)
 
 
 if __name__ == "__main__":

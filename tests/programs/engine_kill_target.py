@@ -17,7 +17,7 @@ def main(pid_file: str, mode: str) -> None:
     from tests import sandboxed
 
     sandbox = call(sandboxed.sandbox_pid)
-    print(get_engine()._zygote.process.pid, sandbox, flush=True)
+    print(get_engine()._link.zygote.process.pid, sandbox, flush=True)
     if mode == "busy":
         helper = call(sandboxed.fork_helper)  # a confined sandbox cannot write the pid file itself
         with open(pid_file, "w") as out:

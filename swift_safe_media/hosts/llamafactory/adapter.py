@@ -128,6 +128,7 @@ is_patched, patched_sites = PATCHES.is_patched, PATCHES.sites
 
 def patch() -> None:
     engine.set_up_sandboxes(import_llamafactory_in_sandbox)
+    engine.import_before_fork(MM_PLUGIN)  # its reads run in a sandbox per call (engine.BY_NAME)
     PATCHES.patch()
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ...confinement import policy as confine
+from ...confinement import handed
 from ...engine import calls as engine
 from ...errors import MediaDecodeError, decode_failure
 from ...patching.targets import original_of
@@ -79,7 +79,7 @@ def regularize_each(stock, plugin, items, *args, **kwargs):
     qualname = stock.__qualname__
     outputs = engine.call_each(stock_in_sandbox, [(qualname, plugin, ([item], *args), kwargs, name or "<decoded>")
                                                   for item, name in zip(items, names)],
-                               [name or "<decoded>" for name in names], confine=confine.opens_by_name())
+                               [name or "<decoded>" for name in names], confine=engine.by_name())
     return _joined(outputs)
 
 
@@ -97,7 +97,7 @@ def video_metadata_in_sandbox(stock, plugin, video, *args, **kwargs):
     if name is None:
         return stock(plugin, video, *args, **kwargs)
     return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (video, *args), kwargs, name, path=name,
-                       confine=confine.opens_by_name())
+                       confine=engine.by_name())
 
 
 def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwargs):
@@ -108,8 +108,17 @@ def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwa
     names = [name for items in (images, videos, audios) for name in map(media_name, items or ()) if name]
     if not names:
         return stock(plugin, images, videos, audios, processor, **kwargs)
+    # Every file goes along open: the processor reads them all, by name, in one sandbox.
+    images, videos, audios = ([_handed(item) for item in items] if items else items for items in (images, videos, audios))
     return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (images, videos, audios, processor), kwargs,
-                       names[0], path=names[0], confine=confine.opens_by_name())
+                       names[0], path=names[0], confine=engine.by_name())
+
+
+def _handed(item):
+    """An item of a media list whose file the sandbox may read by name (see :mod:`...confinement.handed`)."""
+    if isinstance(item, str) and not item.startswith(("http://", "https://")) and os.path.isfile(item):
+        return handed.hand(os.path.abspath(item))
+    return item
 
 
 def failed_path(exc: BaseException) -> str | None:
