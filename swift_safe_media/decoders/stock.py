@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import io
 import os
 import pickle
@@ -81,11 +82,16 @@ def import_in_sandbox(module: str, confined: bool) -> None:
             pass
 
 
-def _prepare_sandboxes(module: str, confined) -> None:
+def _prepare_sandboxes(module: str, confined, backends=()) -> None:
+    """``backends``: the libraries stock imports only as it decodes (transformers' PyAV,
+    decord, OpenCV): a sandbox per call would import them in every call (PyAV: 0.1 s)."""
     if (module, confined) not in _prepared:
         _prepared.add((module, confined))
         if confined in (engine.BY_NAME, engine.NETWORK):  # a sandbox per call: the zygote imports it once
             engine.import_before_fork(module, code_folder(module))
+            for backend in backends:
+                if importlib.util.find_spec(backend) is not None:
+                    engine.import_before_fork(backend)
         else:
             engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
 
@@ -122,11 +128,13 @@ CONFINED_BY_NAME = "confined: a sandbox per call, which may read the call's own 
 DECODE_PATHS: dict[str, str] = {}
 
 
-def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: str | None = None, prepare=None):
+def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: str | None = None, prepare=None,
+               backends=()):
     """A stand-in for ``module.name`` that runs stock in the sandbox. ``media``: the
     position and keyword of the argument that names the media; ``unconfined_because``: why
     its sandbox cannot be confined (it is isolated and bounded still); ``prepare(stand_in_call,
-    args, kwargs)``: a hook for arguments that cannot travel (it returns the result)."""
+    args, kwargs)``: a hook for arguments that cannot travel (it returns the result);
+    ``backends``: the libraries stock imports as it decodes (see :func:`_prepare_sandboxes`)."""
     position, keyword = media
     confine = unconfined_because is None
     DECODE_PATHS[f"{module}.{name}"] = CONFINED_BY_NAME if confine else f"not confined: {unconfined_because}"
@@ -142,7 +150,7 @@ def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: s
         # Stock opens the file by name: a confined sandbox of its own, which may read that file
         # (a URL: one that may connect out instead).
         confined = confine and (engine.NETWORK if _is_url(label) else engine.by_name())
-        _prepare_sandboxes(module, confined)
+        _prepare_sandboxes(module, confined, backends)
 
         def run(args, kwargs):
             return engine.call(run_stock, module, name, args, kwargs, path=label, confine=confined)
@@ -229,15 +237,16 @@ def dynamic_module_function(*args, **kwargs):
 
 # Hugging Face: ms-swift's GLM-4.1V template, and the processors of MOSS-VL, Molmo2,
 # MiniMax-VL, ERNIE-VL on the raw paths ms-swift hands them (fetch_videos); MiDashengLM.
+VIDEO_BACKENDS = ("av", "decord", "cv2")  # torchvision and torchcodec: in the zygote already
 load_video = in_sandbox("transformers.video_utils", "load_video", (0, "video"),
-                        prepare=_load_video_with_local_sampler)
-load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"))
-load_audio_as = in_sandbox("transformers.audio_utils", "load_audio_as", (0, "audio"))
+                        prepare=_load_video_with_local_sampler, backends=VIDEO_BACKENDS)
+load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"), backends=("librosa", "soundfile"))
+load_audio_as = in_sandbox("transformers.audio_utils", "load_audio_as", (0, "audio"), backends=("librosa", "soundfile"))
 # Model-family utils: Keye-VL (decord, torchvision or torchcodec); MiniCPM-o's video
 # with audio (decord, librosa, and ffmpeg programs and temporary files); Llama-Omni's
 # whisper (an ffmpeg program without a timeout). Landlock could let a sandbox run only the
 # ffmpeg binary, but not without letting it run the dynamic loader, which runs any program.
-keye_fetch_video = in_sandbox("keye_vl_utils.vision_process", "fetch_video", (0, "ele"))
+keye_fetch_video = in_sandbox("keye_vl_utils.vision_process", "fetch_video", (0, "ele"), backends=VIDEO_BACKENDS)
 minicpmo_video_audio_segments = in_sandbox(
     "minicpmo.utils", "get_video_frame_audio_segments", (0, "video_path"),
     unconfined_because="it runs the ffmpeg program and writes temporary files")

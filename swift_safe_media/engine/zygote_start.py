@@ -169,6 +169,8 @@ def import_before_fork(imports) -> None:
             sys.path.append(folder)
         if _import_keeps_one_thread(name):
             preload([name])
+            if name not in sys.modules:  # it failed (the call reports it): not tried again per fork
+                _left_to_the_sandbox.add(name)
         else:
             _left_to_the_sandbox.add(name)
             log.info("swift_safe_media: importing %s starts a thread; each sandbox imports it itself", name)
