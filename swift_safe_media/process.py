@@ -50,6 +50,7 @@ class ProcessState:
     # Temporary folders this process made -> the descriptor that holds its lock (run_folders):
     # a forked child owns none (it only shares the parent's locks while it lives)
     temporary_folders: dict = field(default_factory=dict)
+    scratch_folder: str | None = None  # run_folders.scratch_for_call's parent, made on first use
 
 
 _state = ProcessState()

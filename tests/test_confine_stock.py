@@ -151,6 +151,45 @@ def test_every_kind_of_sandbox_forks_from_one_zygote(video, fresh_engine):
     assert len(zygotes_here()) == 1, zygotes_here()
 
 
+def ffmpeg_then_attack(media_path, loader):
+    """In a sandbox that runs ffmpeg (whisper's, librosa's audioread): ffmpeg decodes the
+    file, a temporary file is written, then every attack; last, the dynamic loader (which
+    such a sandbox may run) runs /bin/sh, whose write must still be refused."""
+    import subprocess
+    import tempfile
+
+    frame = subprocess.run(["ffmpeg", "-nostdin", "-loglevel", "error", "-i", media_path, "-frames:v", "1",
+                            "-f", "rawvideo", "-pix_fmt", "rgb24", "-"], capture_output=True, check=True).stdout
+    with tempfile.NamedTemporaryFile(suffix=".wav") as temporary:
+        temporary.write(b"RIFF")
+        scratch = os.path.dirname(temporary.name)
+    folder = os.environ["EXPLOIT_FOLDER"]
+    by_loader = subprocess.run([loader, "/bin/sh", "-c", f"echo pwned > {folder}/pwned-by-loader"],
+                               capture_output=True, text=True)
+    return len(frame), scratch, exploit_standin.attack(), by_loader.returncode, by_loader.stderr
+
+
+def test_a_sandbox_that_runs_ffmpeg_runs_it_and_stays_confined(video, targets, fresh_engine):
+    """``engine.PROGRAMS`` (whisper's and MiniCPM-o's loaders, librosa's audioread
+    fallback): ffmpeg runs, temporary files go to a folder of the call's own, removed after
+    it; every attack is still refused, /bin/sh run directly too; what the dynamic loader
+    starts keeps the whole confinement (its write is refused)."""
+    from swift_safe_media.confinement import programs
+
+    loader = programs.runnable()[-1]
+    assert "ld-linux" in loader or "ld-" in os.path.basename(loader), programs.runnable()
+    size, scratch, attacks, loader_exit, loader_error = engine.call(
+        ffmpeg_then_attack, video, loader, path=video, confine=engine.PROGRAMS)
+    assert size == 160 * 120 * 3
+    assert os.path.basename(os.path.dirname(scratch)).startswith("swift-safe-media-scratch-")
+    assert not os.path.exists(scratch)  # removed after the call
+    assert attacks.pop("run /bin/sh").startswith("refused: PermissionError"), attacks
+    attacks["loader"] = "refused" if loader_exit != 0 else "got through"
+    assert len(attacks) == 7 and all(outcome.startswith("refused") for outcome in attacks.values()), attacks
+    assert "Permission denied" in loader_error and os.listdir(targets["folder"]) == []
+    assert not accepted(targets["listener"])
+
+
 def test_stock_code_behind_the_entry_points_is_confined_and_still_decodes(video, targets, tmp_path):
     standins = exploit_standin.write_standins(str(tmp_path / "standins"))
     done = run_python(module="tests.programs.stock_exploit", args=[video], timeout=300,
@@ -178,13 +217,14 @@ def test_cli_and_doctor_list_each_decode_path_confined_or_why_not():
                  "keye_vl_utils.vision_process.fetch_video", "soundfile.read", "torchaudio.load",
                  "torchvision.io.video.read_video", "LLaMA-Factory's mm_plugin readers"):
         assert paths[name] == by_name, (name, paths)
-    assert paths["whisper.audio.load_audio"] == "not confined: it runs the ffmpeg program"
-    assert paths["librosa.core.audio.load"].startswith("not confined: it needs a writable temporary folder")
+    for name in ("whisper.audio.load_audio", "librosa.core.audio.load", "minicpmo.utils.get_video_frame_audio_segments"):
+        assert paths[name] == by_name + (", run the ffmpeg program (its loader too: what runs stays confined) and "
+                                         "write in a folder of its own"), (name, paths)
+    assert [name for name, how in paths.items() if how.startswith("not")] == ["a LeRobot dataset streamed from the Hub"]
     from swift_safe_media.checks import doctor
 
     line = doctor.decode_paths()
-    assert line.startswith(f"{sum(not how.startswith('not') for how in paths.values())} confined; not confined: ")
-    assert "whisper.audio.load_audio (it runs the ffmpeg program)" in line
+    assert line.startswith(f"{len(paths) - 1} confined; not confined: a LeRobot dataset streamed from the Hub ("), line
 
 
 def test_a_downloads_sandbox_reaches_the_network_and_nothing_else(targets, fresh_engine):

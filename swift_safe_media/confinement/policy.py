@@ -47,7 +47,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .. import config
-from . import reads as confine_reads
+from . import programs as confine_programs, reads as confine_reads
 from . import kernel
 from .kernel import landlock_abi, seccomp_available  # noqa: F401  (part of this module's API)
 from .syscalls import REFUSED_ERRNO_BASE, REFUSED_SYSCALLS, build_seccomp_program, syscall_numbers  # noqa: F401
@@ -89,6 +89,9 @@ class Policy:
     # checking certificates read.
     network_programs: tuple = ()  # (buffer, fprog)
     network_rules: list = field(default_factory=list)
+    # A sandbox that runs ffmpeg (``apply(scratch=...)``): its filter, and its execute rules.
+    exec_programs: tuple = ()  # (buffer, fprog)
+    program_rules: list = field(default_factory=list)
 
 
 def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
@@ -104,9 +107,8 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
             program = policy._program_buffer = ctypes.create_string_buffer(
                 policy.seccomp_program, len(policy.seccomp_program))
             policy._fprog = kernel.SockFprog(len(policy.seccomp_program) // 8, ctypes.cast(program, ctypes.c_void_p))
-            network = build_seccomp_program(network=True)
-            buffer = ctypes.create_string_buffer(network, len(network))
-            policy.network_programs = (buffer, kernel.SockFprog(len(network) // 8, ctypes.cast(buffer, ctypes.c_void_p)))
+            policy.network_programs = _filter(build_seccomp_program(network=True))
+            policy.exec_programs = _filter(build_seccomp_program(programs=True))
         except (OSError, KeyError) as exc:
             problem = f"seccomp filter not built: {exc}"
     if problem:
@@ -121,6 +123,12 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
         except OSError as exc:
             policy.missing.append(f"Landlock ruleset not built: {exc}")
     return policy
+
+
+def _filter(program: bytes) -> tuple:
+    """A filter as the kernel takes it, and the buffer that holds it."""
+    buffer = ctypes.create_string_buffer(program, len(program))
+    return buffer, kernel.SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
 
 
 def _rights(table, abi: int) -> int:
@@ -155,6 +163,8 @@ def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
     if policy.reads_limited:
         policy.network_rules = [rule for rule in (kernel.open_rule_path(path, reads) for path in NETWORK_FILES)
                                 if rule is not None]
+    policy.program_rules = [rule for rule in (kernel.open_rule_path(path, kernel.FS_EXECUTE | kernel.FS_READ_FILE)
+                                              for path in confine_programs.runnable()) if rule is not None]
 
 
 # -- applying it (in each sandbox) ---------------------------------------------------------
@@ -162,19 +172,27 @@ def _open_landlock_rules(policy: Policy, abi: int, extra_readable) -> None:
 _applied: dict | None = None  # what this process runs under, for status_here()
 
 
-def apply(policy: Policy, readable_fds=(), network: bool = False) -> None:
+def apply(policy: Policy, readable_fds=(), network: bool = False, scratch: str | None = None) -> None:
     """Confine this process for good; ``readable_fds``: files (open descriptors) it may read
     besides, by any name (a sandbox for one call of code that opens its media by name);
     ``network``: a download's sandbox, which may also connect out over TCP, and read what
-    resolving names and checking certificates need (no bind, no exec, no writes).
+    resolving names and checking certificates need (no bind, no exec, no writes);
+    ``scratch``: a sandbox that runs ffmpeg, which may also execute it (and its loader) and
+    write in this folder (:mod:`.programs`).
     Raises OSError if a layer the policy has cannot be installed (the sandbox must then not
     serve calls)."""
     global _applied
     kernel.set_no_new_privs()
-    for rule in [] if network else policy.network_rules:
+    unused = ([] if network else policy.network_rules) + ([] if scratch else policy.program_rules)
+    for rule in unused:
         os.close(rule.parent_fd)
     if policy.landlock_abi:
         rules = list(policy.landlock_rules) + (policy.network_rules if network else [])
+        if scratch:
+            rules += policy.program_rules
+            folder = kernel.open_rule_path(scratch, _rights(_FS_WRITE_RIGHTS, policy.landlock_abi)
+                                           | kernel.FS_READ_FILE | kernel.FS_READ_DIR, True)
+            rules += [folder] if folder is not None else []
         if policy.reads_limited:
             rules += [kernel.file_rule(fd, kernel.FS_READ_FILE) for fd in readable_fds]
         own_proc = None
@@ -190,9 +208,10 @@ def apply(policy: Policy, readable_fds=(), network: bool = False) -> None:
         finally:
             for rule in rules:
                 os.close(rule.parent_fd)  # this sandbox's copies: the zygote keeps its own
-            policy.landlock_rules = policy.network_rules = []
+            policy.landlock_rules = policy.network_rules = policy.program_rules = []
     if policy.seccomp_program:
-        kernel.install_seccomp_filter(policy.seccomp_number, policy.network_programs[1] if network else policy._fprog)
+        fprog = policy.network_programs[1] if network else policy.exec_programs[1] if scratch else policy._fprog
+        kernel.install_seccomp_filter(policy.seccomp_number, fprog)
     # Imports after this point cannot write their bytecode caches: do not try.
     sys.dont_write_bytecode = True
     _applied = {"seccomp": bool(policy.seccomp_program), "landlock_abi": policy.landlock_abi,

@@ -1,7 +1,8 @@
 """The seccomp filter of a confined sandbox: the system calls a decoder never needs,
 refused with an errno that names them (``REFUSED_ERRNO_BASE`` + the syscall number), built
 with libseccomp (:mod:`.kernel`) once per zygote. A download's sandbox gets the same filter
-less what reaching the network takes (``build_seccomp_program(network=True)``)."""
+less what reaching the network takes (``build_seccomp_program(network=True)``); a sandbox
+that runs ffmpeg, less ``execve`` (``programs=True``: Landlock limits what it may run)."""
 
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ def syscall_numbers() -> dict[str, int]:
     return kernel.syscall_numbers(REFUSED_SYSCALLS + ("socket", "socketpair", "clone", "clone3", "seccomp"))
 
 
-def build_seccomp_program(network: bool = False) -> bytes:
+def build_seccomp_program(network: bool = False, programs: bool = False) -> bytes:
     """The filter of every confined sandbox; with ``network``, that of a download's sandbox:
-    it may also open network sockets and connect (never bind, listen or accept)."""
+    it may also open network sockets and connect (never bind, listen or accept); with
+    ``programs``, that of a sandbox that runs ffmpeg: it may exec (Landlock says what)."""
+    allowed = {"connect"} if network else {"execve", "execveat"} if programs else set()
     numbers = syscall_numbers()
     with kernel.SeccompFilter(kernel.SCMP_ACT_ALLOW) as program:
         # Every thread, also those a preloaded library started (the exec fallback).
@@ -66,7 +69,7 @@ def build_seccomp_program(network: bool = False) -> bytes:
         # on every system call (libseccomp >= 2.5; older ones keep the list).
         program.set_attribute(kernel.SCMP_FLTATR_CTL_OPTIMIZE, 2)
         for name in REFUSED_SYSCALLS:
-            if name in numbers and not (network and name == "connect"):
+            if name in numbers and name not in allowed:
                 program.add(_refused(numbers[name]), numbers[name])
         for name in () if network else ("socket", "socketpair"):
             # Local stream sockets only: no network family, no datagram to a named socket.

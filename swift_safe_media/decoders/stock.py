@@ -10,10 +10,10 @@ becomes ``MediaDecodeError`` naming the media and what stock raised (a ``Runtime
 as most stock decoders raise). Media given already decoded (an array, a list of frames)
 is handed to stock in place: there is nothing to decode. A file object is read here
 and sent as bytes. Stock opens a local file by name: each call runs in a confined
-sandbox of its own that may read the call's own files (``engine.BY_NAME``). A URL is
-fetched by stock in an unconfined sandbox, and so is an entry point that runs programs
-or writes files (``unconfined_because``: isolated and bounded, not confined; listed by
-:func:`decode_paths`).
+sandbox of its own that may read the call's own files (``engine.BY_NAME``); one whose
+stock runs the ffmpeg program may also run it and write in a folder of its own
+(``runs_ffmpeg``: ``engine.PROGRAMS``). A URL is fetched by stock in a download's sandbox
+(``engine.NETWORK``). Each path and its confinement: :func:`decode_paths`.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _prepare_sandboxes(module: str, confined, backends=()) -> None:
     decord, OpenCV): a sandbox per call would import them in every call (PyAV: 0.1 s)."""
     if (module, confined) not in _prepared:
         _prepared.add((module, confined))
-        if confined in (engine.BY_NAME, engine.NETWORK):  # a sandbox per call: the zygote imports it once
+        if confined in (engine.BY_NAME, engine.NETWORK, engine.PROGRAMS):  # one per call: the zygote imports it once
             engine.import_before_fork(module, code_folder(module))
             for backend in backends:
                 if importlib.util.find_spec(backend) is not None:
@@ -125,19 +125,21 @@ def _is_url(label: str | None) -> bool:
 
 # How each entry point's sandbox is confined, by dotted name (``swift-safe-media confinement``).
 CONFINED_BY_NAME = "confined: a sandbox per call, which may read the call's own files by name"
+CONFINED_RUNNING_FFMPEG = (CONFINED_BY_NAME + ", run the ffmpeg program (its loader too: what runs stays "
+                           "confined) and write in a folder of its own")
 DECODE_PATHS: dict[str, str] = {}
 
 
-def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: str | None = None, prepare=None,
+def in_sandbox(module: str, name: str, media=(0, "video"), runs_ffmpeg: bool = False, prepare=None,
                backends=()):
     """A stand-in for ``module.name`` that runs stock in the sandbox. ``media``: the
-    position and keyword of the argument that names the media; ``unconfined_because``: why
-    its sandbox cannot be confined (it is isolated and bounded still); ``prepare(stand_in_call,
+    position and keyword of the argument that names the media; ``runs_ffmpeg``: stock runs
+    the ffmpeg program (and may write temporary files): its sandbox may too
+    (``engine.PROGRAMS``, :mod:`..confinement.programs`); ``prepare(stand_in_call,
     args, kwargs)``: a hook for arguments that cannot travel (it returns the result);
     ``backends``: the libraries stock imports as it decodes (see :func:`_prepare_sandboxes`)."""
     position, keyword = media
-    confine = unconfined_because is None
-    DECODE_PATHS[f"{module}.{name}"] = CONFINED_BY_NAME if confine else f"not confined: {unconfined_because}"
+    DECODE_PATHS[f"{module}.{name}"] = CONFINED_RUNNING_FFMPEG if runs_ffmpeg else CONFINED_BY_NAME
 
     def stand_in(*args, **kwargs):
         value = kwargs.get(keyword) if keyword in kwargs else args[position] if len(args) > position else None
@@ -149,7 +151,7 @@ def in_sandbox(module: str, name: str, media=(0, "video"), unconfined_because: s
 
         # Stock opens the file by name: a confined sandbox of its own, which may read that file
         # (a URL: one that may connect out instead).
-        confined = confine and (engine.NETWORK if _is_url(label) else engine.by_name())
+        confined = engine.NETWORK if _is_url(label) else engine.PROGRAMS if runs_ffmpeg else engine.by_name()
         _prepare_sandboxes(module, confined, backends)
 
         def run(args, kwargs):
@@ -238,26 +240,27 @@ def dynamic_module_function(*args, **kwargs):
 # Hugging Face: ms-swift's GLM-4.1V template, and the processors of MOSS-VL, Molmo2,
 # MiniMax-VL, ERNIE-VL on the raw paths ms-swift hands them (fetch_videos); MiDashengLM.
 VIDEO_BACKENDS = ("av", "decord", "cv2")  # torchvision and torchcodec: in the zygote already
+# librosa's utils compile numba ufuncs as they load (from numba's cache where it has one): in
+# a sandbox, with no cache it may write, that took 26 s a call.
+LIBROSA_BACKENDS = ("librosa.core.audio", "librosa.util.utils", "audioread.rawread", "audioread.ffdec")
 load_video = in_sandbox("transformers.video_utils", "load_video", (0, "video"),
                         prepare=_load_video_with_local_sampler, backends=VIDEO_BACKENDS)
-load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"), backends=("librosa", "soundfile"))
-load_audio_as = in_sandbox("transformers.audio_utils", "load_audio_as", (0, "audio"), backends=("librosa", "soundfile"))
+load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"), backends=(*LIBROSA_BACKENDS, "soundfile"))
+load_audio_as = in_sandbox("transformers.audio_utils", "load_audio_as", (0, "audio"), backends=(*LIBROSA_BACKENDS, "soundfile"))
 # Model-family utils: Keye-VL (decord, torchvision or torchcodec); MiniCPM-o's video
 # with audio (decord, librosa, and ffmpeg programs and temporary files); Llama-Omni's
-# whisper (an ffmpeg program without a timeout). Landlock could let a sandbox run only the
-# ffmpeg binary, but not without letting it run the dynamic loader, which runs any program.
+# whisper (an ffmpeg program without a timeout). The ffmpeg program is stock's own, so its
+# samples are too (a twin on PyAV's FFmpeg differs by one LSB where the versions differ).
 keye_fetch_video = in_sandbox("keye_vl_utils.vision_process", "fetch_video", (0, "ele"), backends=VIDEO_BACKENDS)
 minicpmo_video_audio_segments = in_sandbox(
     "minicpmo.utils", "get_video_frame_audio_segments", (0, "video_path"),
-    unconfined_because="it runs the ffmpeg program and writes temporary files")
-whisper_load_audio = in_sandbox("whisper.audio", "load_audio", (0, "file"),
-                                unconfined_because="it runs the ffmpeg program")
+    runs_ffmpeg=True, backends=("decord", *LIBROSA_BACKENDS))
+whisper_load_audio = in_sandbox("whisper.audio", "load_audio", (0, "file"), runs_ffmpeg=True)
 # The libraries' own function-shaped loaders, where any code (a remote-code model's
 # utils, a user's dataset) reaches them: Step-Audio's torchaudio.load, Qwen3-TTS's
 # librosa.load, WeNet-style torchaudio.load of shard bytes.
-librosa_load = in_sandbox("librosa.core.audio", "load", (0, "path"), unconfined_because=(
-    "it needs a writable temporary folder, and falls back to audioread, which runs the ffmpeg program, for "
-    "formats libsndfile cannot read"))
+# librosa falls back to audioread, which runs ffmpeg, for what libsndfile cannot read.
+librosa_load = in_sandbox("librosa.core.audio", "load", (0, "path"), runs_ffmpeg=True, backends=LIBROSA_BACKENDS)
 soundfile_read = in_sandbox("soundfile", "read", (0, "file"))
 torchaudio_load = in_sandbox("torchaudio", "load", (0, "uri"))
 torchvision_read_video = in_sandbox("torchvision.io.video", "read_video", (0, "filename"))

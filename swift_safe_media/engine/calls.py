@@ -23,7 +23,7 @@ from ..confinement import handed
 from ..records import watchdog
 from ..records.accounting import Accounting
 from ..errors import MACHINE, MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault, MediaQuarantined
-from .pool import (BY_NAME, NETWORK, RemoteTraceback, SandboxPool, describe_status, forget_sandbox_setup, get_engine,
+from .pool import (BY_NAME, NETWORK, PROGRAMS, RemoteTraceback, SandboxPool, describe_status, forget_sandbox_setup, get_engine,
                    by_name, import_before_fork, set_up_sandboxes, shutdown)
 from .pool import SandboxPool as Engine  # its old name
 from .sandbox import in_sandbox, mark_in_sandbox
@@ -34,7 +34,7 @@ __all__ = ["call", "call_each", "isolated", "fetch", "SharedTimeout", "path_hint
            # re-exported from .pool and .sandbox
            "SandboxPool", "Engine", "RemoteTraceback", "describe_status", "get_engine", "shutdown",
            "set_up_sandboxes", "forget_sandbox_setup", "in_sandbox", "mark_in_sandbox", "BY_NAME",
-           "NETWORK", "by_name", "import_before_fork"]
+           "NETWORK", "PROGRAMS", "by_name", "import_before_fork"]
 
 
 def _looks_like_path(value) -> bool:
@@ -72,7 +72,8 @@ def call(fn, *args, timeout: float | None = None, path=None, confine: bool = Tru
     on to ``fn`` only if ``fn`` has a parameter called ``path``. ``confine=False`` runs
     it in an unconfined sandbox (one that may use the network, run programs, write files);
     ``confine=BY_NAME`` in a confined sandbox of its own that may open ``path`` (and no
-    other media) by name, for code that does not take a descriptor.
+    other media) by name, for code that does not take a descriptor; ``confine=PROGRAMS``
+    likewise, and it may also run ffmpeg and write in a folder of its own (its ``TMPDIR``).
 
     A failure that is the machine's, not the file's (its sandbox killed from outside or
     by the OOM killer, a sandbox that could not start, a zygote gone) is retried in a

@@ -24,9 +24,9 @@ import time
 from .. import config, process
 from ..confinement import handed, policy as confine, reply_unpickler
 from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
-from . import faults, sandbox as sandbox_side, transport
+from . import faults, run_folders, sandbox as sandbox_side, transport
 from .faults import RemoteTraceback, describe_status  # noqa: F401  (RemoteTraceback: part of the API)
-from .sandbox_kinds import (BY_NAME, NETWORK, PER_CALL, by_name, forget_sandbox_setup, import_before_fork,  # noqa: F401
+from .sandbox_kinds import (BY_NAME, NETWORK, PER_CALL, PROGRAMS, by_name, forget_sandbox_setup, import_before_fork,  # noqa: F401
                             imports_before_fork, refuse_what_cannot_be_handed, sandbox_setups, set_up_sandboxes)
 from .zygote import SandboxHandle
 from .zygote_link import ZygoteLink, for_this_process
@@ -40,7 +40,7 @@ class SandboxPool:
     files readable by name."""
 
     def __init__(self, confined: bool | str = True, link: ZygoteLink | None = None):
-        self.per_call, self.network = confined in PER_CALL, confined == NETWORK
+        self.per_call, self.network, self.programs = confined in PER_CALL, confined == NETWORK, confined == PROGRAMS
         self.confined = bool(confined)
         self._lock = threading.Condition()
         self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
@@ -204,7 +204,16 @@ class SandboxPool:
             readable = [handed.hand(os.path.abspath(name)) for name in (files or [path])
                         if isinstance(name, (str, os.PathLike)) and not self.network]
             refuse_what_cannot_be_handed(readable)
-            fn, args, kwargs = sandbox_side.confine_then_call, (readable, fn, args, kwargs, self.network), {}
+            scratch = run_folders.scratch_for_call() if self.programs else None
+            fn, args, kwargs = sandbox_side.confine_then_call, (readable, fn, args, kwargs, self.network, scratch), {}
+            try:
+                return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress)
+            finally:
+                if scratch is not None:
+                    run_folders.remove_scratch(scratch)  # its sandbox has ended (retired or killed)
+        return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress)
+
+    def _run(self, fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress):
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
             box = self._ready_sandbox(path)

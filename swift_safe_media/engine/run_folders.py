@@ -31,7 +31,7 @@ import time
 from .. import process
 
 PREFIX = "swift-safe-media-"
-KINDS = ("zygote", "stats", "inflight")
+KINDS = ("zygote", "stats", "inflight", "scratch")
 # A Unix socket's path has at most 107 bytes; a long TMPDIR (a job scheduler's, a test's)
 # leaves no room, so a socket's folder then goes where it fits.
 SOCKET_NAME = "zygote.sock"
@@ -52,6 +52,20 @@ def make(kind: str, for_socket: bool = False) -> str:
     atexit.register(lambda: os.getpid() == creator and release(folder))
     _tell_zygote()
     return folder
+
+
+def scratch_for_call() -> str:
+    """A new folder for one sandbox's temporary files (see :mod:`..confinement.programs`),
+    inside this process's ``swift-safe-media-scratch-*``; remove it with
+    :func:`remove_scratch` after the call (the parent goes as :func:`make`'s folders go)."""
+    state = process.current()
+    if state.scratch_folder is None or not os.path.isdir(state.scratch_folder):
+        state.scratch_folder = make("scratch")
+    return tempfile.mkdtemp(prefix="call-", dir=state.scratch_folder)
+
+
+def remove_scratch(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _lock(folder: str) -> int:

@@ -25,7 +25,7 @@ import traceback
 import types
 
 from .. import config, errors, process
-from ..confinement import policy as confine, output as confine_output, handed
+from ..confinement import policy as confine, output as confine_output, handed, programs as confine_programs
 from . import faults, transport
 
 log = logging.getLogger("swift_safe_media")
@@ -80,27 +80,30 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy
 _pending_policy: confine.Policy | None = None  # a sandbox for one call: confined as it begins
 
 
-def _confine(policy: confine.Policy, readable_fds=(), network: bool = False) -> None:
+def _confine(policy: confine.Policy, readable_fds=(), network: bool = False, scratch: str | None = None) -> None:
     try:
-        confine.apply(policy, readable_fds, network)
+        confine.apply(policy, readable_fds, network, scratch)
     except OSError as exc:  # never serve unconfined when confinement was asked for
         sys.stderr.write(f"swift_safe_media: sandbox pid {os.getpid()} could not be confined: {exc}\n")
         os._exit(71)
     confine_output.capture()
 
 
-def confine_then_call(files, fn, args, kwargs, network: bool = False):
+def confine_then_call(files, fn, args, kwargs, network: bool = False, scratch: str | None = None):
     """In a sandbox started for one call (``SPAWN_FOR_FILES``): confined now, as the twins'
     sandboxes are, with one more read rule for each file the caller handed with the call
     (``files`` and any other handed path among the arguments: Landlock allows a rule to
     name one regular file, here by the handed descriptor), then ``fn`` runs. Stock code may
     then open those files by name, and nothing else beyond what decoding needs; the request
     was unpickled before (it holds no media, only names and descriptors). ``network``: a
-    download's sandbox, which may also connect out (see ``confine.apply``)."""
+    download's sandbox, which may also connect out (see ``confine.apply``); ``scratch``: one
+    that runs ffmpeg, which may also write in that folder (its ``TMPDIR``)."""
     global _pending_policy
     policy, _pending_policy = _pending_policy, None
+    if scratch is not None:
+        confine_programs.write_here(scratch)
     if policy is not None:
-        _confine(policy, handed.handed_fds(), network)
+        _confine(policy, handed.handed_fds(), network, scratch)
     del files
     return fn(*args, **kwargs)
 

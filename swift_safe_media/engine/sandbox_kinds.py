@@ -4,7 +4,8 @@
   user asks for, code that runs programs), ``BY_NAME``: confined, one sandbox per call, which
   may open the call's own files by name, for code we do not own that opens its media
   natively by name (stock's loaders, LLaMA-Factory's readers: :func:`by_name`), and
-  ``NETWORK``: a download's, confined but for connecting out, one per call.
+  ``NETWORK``: a download's, confined but for connecting out, one per call, and
+  ``PROGRAMS``: as ``BY_NAME``, but it may run ffmpeg and write in a folder of its own.
 - **Set-ups** (:func:`set_up_sandboxes`): run in each pooled sandbox before its first call
   (imports a host needs there).
 - **Imports before fork** (:func:`import_before_fork`): what the zygote imports before it
@@ -43,7 +44,10 @@ BY_NAME = "by name"
 # A download's sandbox: confined as BY_NAME, but it may connect out (TCP) and read what
 # resolving names and checking certificates need; one per call too.
 NETWORK = "network"
-PER_CALL = (BY_NAME, NETWORK)
+# For stock code that runs the ffmpeg program: confined as BY_NAME, but it may run ffmpeg
+# (and its loader) and write in a folder of its own (confinement/programs.py); one per call.
+PROGRAMS = "by name, running ffmpeg"
+PER_CALL = (BY_NAME, NETWORK, PROGRAMS)
 
 _imports_before_fork: list[tuple[str, str | None]] = []
 
