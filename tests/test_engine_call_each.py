@@ -1,6 +1,7 @@
 """``call_each``: several calls in one round trip to the sandbox, each still bounded by
 its own timeout and accounted as its own decode."""
 
+import threading
 import time
 
 import pytest
@@ -127,3 +128,25 @@ def test_a_parallel_hang_is_pinned_on_its_own_file(tmp_path, monkeypatch):
         [paths[0], paths[2]]
     with pytest.raises(MediaQuarantined):
         call_each(sandboxed.echo, [(paths[1],)], [paths[1]])
+
+
+def test_a_setup_that_cannot_be_sent_fails_its_call_and_frees_its_sandbox(fresh_engine):
+    """A setup that cannot be pickled (a closure) fails the call with the reason, and the
+    sandbox it held goes back: with one sandbox per process, a slot lost here would make
+    every later call wait for ever."""
+    from swift_safe_media.engine import calls as engine
+
+    def not_module_level():
+        pass
+
+    engine.set_up_sandboxes(not_module_level)
+    try:
+        with pytest.raises(TypeError, match="module-level function"):
+            call(sandboxed.add, 1, 2, timeout=5.0)
+    finally:
+        engine.forget_sandbox_setup(not_module_level)
+    results = []  # in a thread: a lost slot would block this call for ever
+    later = threading.Thread(target=lambda: results.append(call(sandboxed.add, 1, 2, timeout=5.0)), daemon=True)
+    later.start()
+    later.join(60)
+    assert results == [3]

@@ -151,7 +151,7 @@ def in_sandbox(module: str, name: str, media=(0, "video"), runs_ffmpeg: bool = F
 
         # Stock opens the file by name: a confined sandbox of its own, which may read that file
         # (a URL: one that may connect out instead).
-        confined = engine.NETWORK if _is_url(label) else engine.PROGRAMS if runs_ffmpeg else engine.by_name()
+        confined = engine.NETWORK if _is_url(label) else engine.by_name(runs_ffmpeg)
         _prepare_sandboxes(module, confined, backends)
 
         def run(args, kwargs):

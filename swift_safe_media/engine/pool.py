@@ -257,7 +257,11 @@ class SandboxPool:
         """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
         setups = () if self.per_call else sandbox_setups()  # one call: the zygote imported for it
         while box.setups_done < len(setups):
-            message, fd, owned = _encode_request(setups[box.setups_done], (), {})
+            try:
+                message, fd, owned = _encode_request(setups[box.setups_done], (), {})
+            except BaseException:
+                self._done_with(box)  # nothing was sent: the sandbox goes back as it was, its slot freed
+                raise
             self._exchange(box, message, fd, owned, config.start_timeout(), path, keep=True)
             box.setups_done += 1
 

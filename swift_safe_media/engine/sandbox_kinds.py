@@ -65,9 +65,12 @@ def imports_before_fork() -> tuple[tuple[str, str | None], ...]:
     return tuple(_imports_before_fork)
 
 
-def by_name() -> bool | str:
+def by_name(runs_ffmpeg: bool = False) -> bool | str:
     """The confinement for a call of code we do not own that opens its media by name:
-    the pooled confined sandboxes where those may read anywhere, else ``BY_NAME``."""
+    the pooled confined sandboxes where those may read anywhere, else ``BY_NAME``; for code
+    that runs the ffmpeg program, ``PROGRAMS`` (its grants are per call)."""
+    if runs_ffmpeg:
+        return PROGRAMS
     return True if confine.opens_by_name() else BY_NAME
 
 
