@@ -90,7 +90,7 @@ def _prepare_sandboxes(module: str, confined, backends=()) -> None:
         if confined in (engine.BY_NAME, engine.NETWORK, engine.PROGRAMS):  # one per call: the zygote imports it once
             engine.import_before_fork(module, code_folder(module))
             for backend in backends:
-                if importlib.util.find_spec(backend) is not None:
+                if importlib.util.find_spec(backend.partition(":")[0]) is not None:
                     engine.import_before_fork(backend)
         else:
             engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))
@@ -241,8 +241,9 @@ def dynamic_module_function(*args, **kwargs):
 # MiniMax-VL, ERNIE-VL on the raw paths ms-swift hands them (fetch_videos); MiDashengLM.
 VIDEO_BACKENDS = ("av", "decord", "cv2")  # torchvision and torchcodec: in the zygote already
 # librosa's utils compile numba ufuncs as they load (from numba's cache where it has one): in
-# a sandbox, with no cache it may write, that took 26 s a call.
-LIBROSA_BACKENDS = ("librosa.core.audio", "librosa.util.utils", "audioread.rawread", "audioread.ffdec")
+# a sandbox, with no cache it may write, that took 26 s a call. Each librosa.load asks audioread
+# for its backends, which the first time runs gcc and ld (ctypes' find_library): 0.1 s a call.
+LIBROSA_BACKENDS = ("librosa.core.audio", "librosa.util.utils", "audioread:available_backends")
 load_video = in_sandbox("transformers.video_utils", "load_video", (0, "video"),
                         prepare=_load_video_with_local_sampler, backends=VIDEO_BACKENDS)
 load_audio = in_sandbox("transformers.audio_utils", "load_audio", (0, "audio"), backends=(*LIBROSA_BACKENDS, "soundfile"))

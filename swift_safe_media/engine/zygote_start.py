@@ -132,6 +132,15 @@ def prepare_confinement(prep: dict) -> confine.Policy | None:
     return confine.prepare(prep["read_roots"], [os.path.dirname(main_path)] if main_path else [])
 
 
+def load(name: str) -> None:
+    """Import ``name``; ``module:function``: then call it (a library's own warm-up, such as
+    audioread's list of backends, which runs programs the first time: not in a sandbox)."""
+    module, _, function = name.partition(":")
+    loaded = importlib.import_module(module)
+    if function:
+        getattr(loaded, function)()
+
+
 def preload(names, still_wanted=lambda: True, on_abandon=None) -> None:
     """Import ``names``; stop (exit, after ``on_abandon()``) once ``still_wanted()`` says
     the caller is gone: a short run must not leave seconds of imports behind it."""
@@ -141,12 +150,13 @@ def preload(names, still_wanted=lambda: True, on_abandon=None) -> None:
                 on_abandon()
             os._exit(0)
         try:
-            importlib.import_module(name)
+            load(name)
         except Exception as exc:  # a missing optional decoder must not stop the sandbox
             log.debug("swift_safe_media: preload of %s skipped: %s", name, exc)
 
 
-_left_to_the_sandbox: set[str] = set()  # modules whose import starts a thread
+_left_to_the_sandbox: set[str] = set()  # modules whose import starts a thread (or fails)
+_loaded_before_fork: set[str] = set()  # what import_before_fork did (a ``module:function`` is never in sys.modules)
 
 
 def import_before_fork(imports) -> None:
@@ -156,7 +166,7 @@ def import_before_fork(imports) -> None:
     thread (tried first in a child) is left to the sandboxes: a zygote with threads can no
     longer fork safely."""
     missing = [(name, folder) for name, folder in imports
-               if name not in sys.modules and name not in _left_to_the_sandbox]
+               if name not in sys.modules and name not in _loaded_before_fork and name not in _left_to_the_sandbox]
     # pyarrow's jemalloc starts a purging thread as it loads (datasets imports pyarrow):
     # without it the zygote stays single-threaded, and its sandboxes use little of arrow.
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
@@ -168,9 +178,12 @@ def import_before_fork(imports) -> None:
         if folder and folder not in sys.path:
             sys.path.append(folder)
         if _import_keeps_one_thread(name):
-            preload([name])
-            if name not in sys.modules:  # it failed (the call reports it): not tried again per fork
+            try:
+                load(name)
+                _loaded_before_fork.add(name)
+            except Exception as exc:  # the call reports it; not tried again per fork
                 _left_to_the_sandbox.add(name)
+                log.debug("swift_safe_media: %s not loaded before fork: %s", name, exc)
         else:
             _left_to_the_sandbox.add(name)
             log.info("swift_safe_media: importing %s starts a thread; each sandbox imports it itself", name)
@@ -183,7 +196,7 @@ def _import_keeps_one_thread(name: str) -> bool:
     pid = os.fork()
     if pid == 0:
         try:
-            importlib.import_module(name)
+            load(name)
         except BaseException:
             pass
         os._exit(0 if fork_is_safe() else 1)
