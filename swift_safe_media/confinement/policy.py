@@ -47,7 +47,7 @@ import sys
 from dataclasses import dataclass, field
 
 from .. import config
-from . import programs as confine_programs, reads as confine_reads
+from . import handed as confine_handed, programs as confine_programs, reads as confine_reads
 from . import kernel
 from .kernel import landlock_abi, seccomp_available  # noqa: F401  (part of this module's API)
 from .syscalls import REFUSED_ERRNO_BASE, REFUSED_SYSCALLS, build_seccomp_program, syscall_numbers  # noqa: F401
@@ -326,7 +326,7 @@ def refusal(exc: BaseException) -> str | None:
         if isinstance(exc, PermissionError) and exc.filename is not None:
             if _applied["reads_limited"] and _unreadable_but_for_landlock(exc.filename):
                 return f"a file access outside {config.READ_ROOTS} and the media handed to the decode ({exc.filename})"
-            if _writable_but_for_landlock(exc.filename) or (
+            if (_writable_but_for_landlock(exc.filename) and not _handed_media(exc.filename)) or (
                     exc.filename2 is not None and _writable_but_for_landlock(exc.filename2)):
                 target = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
                 return f"a file write ({target})"
@@ -351,6 +351,24 @@ def _unreadable_but_for_landlock(path) -> bool:
         return True
     except OSError:
         return False
+    return False
+
+
+def _handed_media(path) -> bool:
+    """Whether ``path`` is a file handed with the call: decoders read it, so their own
+    "permission denied" on it (FFmpeg's concat demuxer refusing an unsafe entry, say) is
+    theirs, not a write we refused."""
+    try:
+        found = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return False
+    for fd in confine_handed.handed_fds():
+        try:
+            held = os.fstat(fd)
+        except OSError:
+            continue
+        if (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino):
+            return True
     return False
 
 
