@@ -97,6 +97,8 @@ def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float,
     env.update(scenario.OFFLINE, OMP_NUM_THREADS="1", **{TIMINGS: str(timings)})
     if not protected:
         env["SWIFT_SAFE_MEDIA"] = "0"
+    if name.endswith("roots"):  # the dataset's folder named: pooled confined sandboxes, not one per call
+        env["SWIFT_SAFE_MEDIA_READ_ROOTS"] = str(folder)
     pipeline = _bench("pipeline")
     command = [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "--run", str(config)]
     returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
@@ -113,13 +115,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=32, help="rows of the dataset (one epoch, batch size 2)")
+    parser.add_argument("--roots", action="store_true",
+                        help="a third side: protected, with the dataset's folder in SWIFT_SAFE_MEDIA_READ_ROOTS")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one side, inside LLaMA-Factory's interpreter
     args = parser.parse_args()
     if args.run:
         return run_cli(args.run)
     if not (VENV / "bin" / "llamafactory-cli").exists():
         sys.exit(f"{VENV} is missing: `make test` builds it")
-    names = ["stock", "ours"]
+    names = ["stock", "ours"] + (["ours-roots"] if args.roots else [])
     report = _bench("lerobot_train")
     load = report.load
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
@@ -129,7 +133,7 @@ def main():
         results = {name: [] for name in names}
         for number in range(args.rounds):
             for name in names[number % 2:] + names[:number % 2]:  # alternating which goes first
-                results[name].append(train(built, folder, f"{number}-{name}", name == "ours"))
+                results[name].append(train(built, folder, f"{number}-{name}", name != "stock"))
                 report.print_round(number, name, results[name][-1], digits=2)
     print(f"llamafactory-cli train 0.9.5, tiny Qwen2.5-Omni LoRA, {args.rows} rows, batch {BATCH}, {WORKERS} workers, "
           f"{args.rounds} alternating rounds (medians [spread]); load average after: {load()}")

@@ -151,7 +151,7 @@ def in_sandbox(module: str, name: str, media=(0, "video"), runs_ffmpeg: bool = F
 
         # Stock opens the file by name: a confined sandbox of its own, which may read that file
         # (a URL: one that may connect out instead).
-        confined = engine.NETWORK if _is_url(label) else engine.by_name(runs_ffmpeg)
+        confined = engine.NETWORK if _is_url(label) else engine.by_name(runs_ffmpeg, [label])
         _prepare_sandboxes(module, confined, backends)
 
         def run(args, kwargs):
@@ -209,7 +209,7 @@ def _load_video_with_local_sampler(run, args, kwargs):
     label = _label(args[0] if args else kwargs.get("video"))
     rest = {key: value for key, value in kwargs.items() if key != "sample_indices_fn"}
     metadata, sampler_kwargs = engine.call(metadata_for_sampler, args, rest, path=label,
-                                           confine=engine.NETWORK if _is_url(label) else engine.by_name())
+                                           confine=engine.NETWORK if _is_url(label) else engine.by_name(files=[label]))
     indices = sampler(metadata=metadata, **sampler_kwargs)
     return run(args, {**rest, "sample_indices_fn": functools.partial(_given_indices, indices)})
 

@@ -79,7 +79,8 @@ def regularize_each(stock, plugin, items, *args, **kwargs):
     qualname = stock.__qualname__
     outputs = engine.call_each(stock_in_sandbox, [(qualname, plugin, ([item], *args), kwargs, name or "<decoded>")
                                                   for item, name in zip(items, names)],
-                               [name or "<decoded>" for name in names], confine=engine.by_name())
+                               [name or "<decoded>" for name in names],
+                               confine=engine.by_name(files=[name for name in names if name]))
     return _joined(outputs)
 
 
@@ -97,7 +98,7 @@ def video_metadata_in_sandbox(stock, plugin, video, *args, **kwargs):
     if name is None:
         return stock(plugin, video, *args, **kwargs)
     return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (video, *args), kwargs, name, path=name,
-                       confine=engine.by_name())
+                       confine=engine.by_name(files=[name]))
 
 
 def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwargs):
@@ -111,7 +112,7 @@ def mm_inputs_in_sandbox(stock, plugin, images, videos, audios, processor, **kwa
     # Every file goes along open: the processor reads them all, by name, in one sandbox.
     images, videos, audios = ([_handed(item) for item in items] if items else items for items in (images, videos, audios))
     return engine.call(stock_in_sandbox, stock.__qualname__, plugin, (images, videos, audios, processor), kwargs,
-                       names[0], path=names[0], confine=engine.by_name())
+                       names[0], path=names[0], confine=engine.by_name(files=names))
 
 
 def _handed(item):
