@@ -60,7 +60,7 @@ def median_triple(call, repeats):
 
     def timed(patched, pooled=False):
         (media.PATCHES.patch if patched else media.PATCHES.unpatch)()
-        engine.by_name = (lambda runs_ffmpeg=False: False) if pooled else by_name
+        engine.by_name = (lambda runs_ffmpeg=False, files=(): False) if pooled else by_name
         start = time.perf_counter()
         try:
             call()
