@@ -231,6 +231,10 @@ def zygote_main(control_fd: int, listener_fd: int = -1) -> None:
     them, and the zygote, when the control connection closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     process.set_name(process.ZYGOTE_NAME)
+    # A host's module imported here before a fork (LLaMA-Factory's mm_plugin) must not take
+    # the zygote for a new run: its start-up thread (the warm forkserver's) would leave the
+    # zygote unable to fork, and every sandbox would start by exec, seconds each.
+    sandbox.mark_in_sandbox()
     control = socket.socket(fileno=control_fd)
     listener = socket.socket(fileno=listener_fd) if listener_fd >= 0 else None
     # What the caller leaves behind if it dies: this socket's folder (which ends with the
