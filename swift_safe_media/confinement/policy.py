@@ -364,11 +364,10 @@ def _handed_media(path) -> bool:
         return False
     for fd in confine_handed.handed_fds():
         try:
-            held = os.fstat(fd)
+            if os.path.samestat(os.fstat(fd), found):
+                return True
         except OSError:
             continue
-        if (held.st_dev, held.st_ino) == (found.st_dev, found.st_ino):
-            return True
     return False
 
 

@@ -89,8 +89,8 @@ def _prepare_sandboxes(module: str, confined, backends=()) -> None:
         _prepared.add((module, confined))
         if confined in (engine.BY_NAME, engine.NETWORK, engine.PROGRAMS):  # one per call: the zygote imports it once
             engine.import_before_fork(module, code_folder(module))
-            for backend in backends:
-                if importlib.util.find_spec(backend.partition(":")[0]) is not None:
+            for backend in backends:  # the top-level name: finding a submodule imports its package here
+                if importlib.util.find_spec(backend.partition(":")[0].partition(".")[0]) is not None:
                     engine.import_before_fork(backend)
         else:
             engine.set_up_sandboxes(functools.partial(import_in_sandbox, module, confined))

@@ -18,7 +18,7 @@ import os
 import stat
 
 from .. import config
-from ..confinement import handed, policy as confine
+from ..confinement import handed, policy as confine, reads as confine_reads
 from ..errors import MediaDecodeError
 
 _sandbox_setups: list = []
@@ -78,13 +78,9 @@ def by_name(runs_ffmpeg: bool = False, files=()) -> bool | str:
         return True
     roots = [os.path.realpath(root) for root in config.read_roots() or ()]
     named = [os.path.realpath(name) for name in files if isinstance(name, (str, os.PathLike))]
-    if roots and named and len(named) == len(files) and all(_beneath(name, roots) for name in named):
+    if roots and named and len(named) == len(files) and all(confine_reads.beneath(name, roots) for name in named):
         return True
     return BY_NAME
-
-
-def _beneath(path: str, roots) -> bool:
-    return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
 
 
 def forget_sandbox_setup(fn) -> None:

@@ -136,13 +136,11 @@ class Zygote:
                     for_files: tuple[str, ...] | None = None) -> "SpawnAhead":
         """Ask for a sandbox now and take it later (:meth:`SpawnAhead.sandbox`): the zygote
         forks it while the caller goes on (the next call's sandbox, while this call runs)."""
-        environment = zygote_start.environment_for_sandbox()
-        if for_files is not None:
-            environment = {"environment": environment, "imports": list(for_files)}
-        body = json.dumps(environment).encode()
+        body = _spawn_payload(for_files)
         self._collect_replies(time.monotonic() + REQUEST_TIMEOUT_S)
         op = SPAWN_FOR_FILES if for_files is not None else SPAWN if confined else SPAWN_UNCONFINED
-        send_control(self.control, op, memory_cap_mb, environment)
+        self.control.settimeout(REQUEST_TIMEOUT_S)
+        self.control.sendall(CONTROL_REQUEST.pack(op, memory_cap_mb, len(body)) + body)
         pending = SpawnAhead(self, memory_cap_mb, body)
         self._pending.append(pending)
         return pending
@@ -174,12 +172,16 @@ class Zygote:
     def is_alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        if self._pending:  # a reply on its way is not an end
-            try:
-                self._collect_replies(time.monotonic() + REQUEST_TIMEOUT_S)
-            except (OSError, EOFError):
-                return False
-        return _peer_open(self.control)  # a zygote writes only replies: between requests, EOF
+        if _peer_open(self.control):  # a zygote writes only replies: between requests, EOF
+            return True
+        if not self._pending:
+            return False
+        # A reply to a spawn asked ahead is waiting: peeked at, not read (only the holder of
+        # the link's lock reads the channel), and it is no end.
+        try:
+            return self.control.recv(1, socket.MSG_PEEK) != b""
+        except OSError:
+            return False
 
     def close(self, wait: float = 2.0) -> None:
         if self.process is not None:
@@ -219,9 +221,17 @@ class SpawnAhead:
     def matches(self, zygote: Zygote, memory_cap_mb: int, for_files) -> bool:
         """Whether a call now would ask for this very sandbox (same zygote, cap, environment
         and imports): else it is ended and another one asked for."""
-        environment = {"environment": zygote_start.environment_for_sandbox(), "imports": list(for_files)}
         return zygote is self.zygote and memory_cap_mb == self.memory_cap_mb \
-            and json.dumps(environment).encode() == self.request
+            and _spawn_payload(for_files) == self.request
+
+
+def _spawn_payload(for_files) -> bytes:
+    """A spawn request's JSON: the caller's environment, which the sandbox takes as its own,
+    and for a sandbox of one call the modules the zygote imports first."""
+    environment = zygote_start.environment_for_sandbox()
+    if for_files is not None:
+        environment = {"environment": environment, "imports": list(for_files)}
+    return json.dumps(environment).encode()
 
 
 # -- zygote side ----------------------------------------------------------------------

@@ -57,17 +57,15 @@ class ZygoteLink:
         log.warning("swift_safe_media: the shared zygote is not answering (%s); this process "
                     "starts its own", exc)
 
-    def drop(self) -> None:
+    def drop(self, wait: float = 0.5) -> None:
         """Close the zygote (its sandboxes die with the connection); call with the lock held."""
         if self.zygote is not None:
-            self.zygote.close(wait=0.5)
+            self.zygote.close(wait=wait)
             self.zygote = None
 
     def close(self) -> None:
         with self.lock:
-            if self.zygote is not None:
-                self.zygote.close()
-                self.zygote = None
+            self.drop(wait=2.0)
 
     def abandon(self) -> None:
         """In a forked child: the zygote is the parent's; drop our copies only."""
