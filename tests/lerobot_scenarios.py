@@ -213,13 +213,13 @@ def epoch(root, start_method="none", num_workers="2"):
 def remote_frames(root):
     """A camera's frames read over HTTP (a local server, as a dataset streamed from the Hub is
     read) and from the file itself, both through protection's decode: equal, and the remote
-    one from an unconfined sandbox (a confined one has no network)."""
+    one from a download's sandbox (confined, but it may connect out), which stays for the next."""
     import functools
     import http.server
     import threading
 
     import swift_safe_media
-    from swift_safe_media.engine.calls import get_engine
+    from swift_safe_media.engine.calls import NETWORK, get_engine
     from swift_safe_media.hosts.lerobot import decode as lerobot_decode
 
     swift_safe_media.enable(hosts=["lerobot"])
@@ -231,9 +231,12 @@ def remote_frames(root):
     url = f"http://127.0.0.1:{server.server_address[1]}/{relative}"
     timestamps = [0.0, 1 / 30]
     (remote,) = lerobot_decode.decode_in_sandbox([(url, timestamps, 1e-4, "torchcodec", True, False)])
+    (again,) = lerobot_decode.decode_in_sandbox([(url, timestamps[1:], 1e-4, "torchcodec", True, False)])
     (local,) = lerobot_decode.decode_in_sandbox([(Path(root) / relative, timestamps, 1e-4, "torchcodec", True, False)])
     server.shutdown()
-    return {"equal": bool((remote == local).all()), "shape": list(remote.shape),
+    network = get_engine(NETWORK).stats
+    return {"equal": bool((remote == local).all() and (again[0] == local[1]).all()), "shape": list(remote.shape),
+            "network_calls": network["calls"], "network_sandboxes": network["sandboxes_started"],
             "unconfined_calls": get_engine(False).stats["calls"], "confined_calls": get_engine(True).stats["calls"]}
 
 

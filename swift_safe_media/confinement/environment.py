@@ -82,6 +82,24 @@ def withheld(environment=None) -> list[str]:
                   key=lambda name: (not looks_like_a_credential(name), name))
 
 
+# Where a download's sandbox looks for the Hub's token file: nowhere (see without_token_file).
+NO_TOKEN_FILE = "/nonexistent/swift-safe-media/hub-token"
+
+
+def without_token_file() -> None:
+    """In a download's sandbox, as it is confined: the Hub's client reads its token file
+    (under ``$HOME``, which the sandbox may not read) whenever no token is in the environment,
+    and a refusal there fails the read of a public file; pointed at no file, it goes on
+    without one. A token reaches such a sandbox only as a name listed in
+    ``SWIFT_SAFE_MEDIA_SANDBOX_ENV`` (``HF_TOKEN``: a private dataset streamed from the Hub)."""
+    import sys
+
+    os.environ["HF_TOKEN_PATH"] = NO_TOKEN_FILE
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:  # read once, as it was imported (in the zygote)
+        constants.HF_TOKEN_PATH = NO_TOKEN_FILE
+
+
 def scrub() -> None:
     """Leave this process (a zygote forked from the warm forkserver) with the allowed
     environment only, in ``os.environ``, libc's ``environ`` and the initial block."""

@@ -267,6 +267,10 @@ torchaudio_load = in_sandbox("torchaudio", "load", (0, "uri"))
 torchvision_read_video = in_sandbox("torchvision.io.video", "read_video", (0, "filename"))
 
 
+# A download's sandboxes: pooled, as they read no file by name (engine.NETWORK).
+DOWNLOADS = "confined but for connecting out: no reads by name, writes, exec or secrets"
+
+
 def decode_paths(confined: bool, reads_limited: bool) -> dict[str, str]:
     """Each decode path and how its sandbox is confined here (``swift-safe-media
     confinement``, ``doctor``)."""
@@ -281,7 +285,7 @@ def decode_paths(confined: bool, reads_limited: bool) -> dict[str, str]:
         "LLaMA-Factory's mm_plugin readers": by_name,
         "a function under @isolated or call()": "confined: the media handed as open descriptors "
                                                 "(confine=False: not confined, as its author chose)",
-        "media URLs (downloads, stock given a URL)": "confined but for connecting out: a sandbox per call "
-                                                     "(`swift deploy` refuses internal addresses)",
-        "a LeRobot dataset streamed from the Hub": "not confined: the Hub's client reads and writes its cache",
+        "media URLs (downloads, stock given a URL)": DOWNLOADS + " (`swift deploy` refuses internal addresses)",
+        "a LeRobot dataset streamed from the Hub": DOWNLOADS + " (the Hub's token only where "
+                                                   "SWIFT_SAFE_MEDIA_SANDBOX_ENV names HF_TOKEN)",
     }

@@ -1,14 +1,11 @@
-"""The pool behind ``call``: one :class:`SandboxPool` per calling process.
+"""The pool behind ``call``: one pool of sandboxes per calling process (one sandbox unless
+``SWIFT_SAFE_MEDIA_SANDBOXES`` says more). Threads of one process share the pool: a caller waits
+for a free sandbox, and the timeout counts only the time its function runs, so a slow neighbour
+never turns into a false timeout. A DataLoader worker or a forked child starts a pool of its own.
 
-One pool of sandboxes per calling process (one sandbox unless ``SWIFT_SAFE_MEDIA_SANDBOXES``
-says more). Threads of one process share the pool: a caller waits for a free sandbox, and the
-timeout counts only the time its function runs, so a slow neighbour never turns into a false
-timeout. DataLoader workers are separate processes and each gets its own pool; a forked child
-drops the pool it inherited and starts its own.
-
-:meth:`SandboxPool.run` is one exchange with a sandbox: send the request, wait for the
-result under the timeout, and on overrun or death kill the sandbox, start its successor at
-once and raise the typed error. Sandboxes come from :mod:`.zygote`; inside: :mod:`.sandbox`.
+:meth:`SandboxPool.run` is one exchange with a sandbox: send the request, wait for the result under
+the timeout, and on overrun or death kill the sandbox, start its successor at once and raise the
+typed error. Sandboxes come from :mod:`.zygote`; inside: :mod:`.sandbox`.
 """
 
 from __future__ import annotations
@@ -40,7 +37,10 @@ class SandboxPool:
     files readable by name."""
 
     def __init__(self, confined: bool | str = True, link: ZygoteLink | None = None):
-        self.per_call, self.network, self.programs = confined in PER_CALL, confined == NETWORK, confined == PROGRAMS
+        # Confined as its call begins (``deferred``), one sandbox per call, but a download's, which reads no
+        # file by name: pooled (the grants of every call are the same; a stream keeps its remote file open).
+        self.deferred, self.network, self.programs = confined in PER_CALL, confined == NETWORK, confined == PROGRAMS
+        self.per_call = self.deferred and not self.network
         self.confined = bool(confined)
         self._lock = threading.Condition()
         self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
@@ -122,7 +122,7 @@ class SandboxPool:
                 zygote = link.current()
                 try:
                     box = self._spare_sandbox(zygote, deadline) if self.per_call else \
-                        zygote.spawn(config.max_memory_mb(), deadline, self.confined)
+                        zygote.spawn(config.max_memory_mb(), deadline, self.confined, () if self.deferred else None)
                     break
                 except (OSError, EOFError) as exc:
                     shared = zygote.process is None
@@ -143,7 +143,7 @@ class SandboxPool:
         """A sandbox for one call: the one asked for ahead (forked while the last call ran)
         when it fits this call, and the next one asked for now (:meth:`.Zygote.spawn_ahead`;
         the fork, some 20 ms of a zygote full of imports, is off the call's path)."""
-        memory_cap_mb, imports = config.max_memory_mb(), () if self.network else imports_before_fork()
+        memory_cap_mb, imports = config.max_memory_mb(), imports_before_fork()
         spare, self._spare = self._spare, None
         box = None
         if spare is not None and spare.zygote is zygote:
@@ -200,7 +200,7 @@ class SandboxPool:
         failure from then on is pinned on (and, with ``restart_on_progress``, the timeout
         starts again: the next call of a ``call_each`` batch has begun). ``files``: what a
         sandbox per call may open by name (default: ``path``)."""
-        if self.per_call:
+        if self.deferred:
             readable = [handed.hand(os.path.abspath(name)) for name in (files or [path])
                         if isinstance(name, (str, os.PathLike)) and not self.network]
             refuse_what_cannot_be_handed(readable)
@@ -255,7 +255,7 @@ class SandboxPool:
 
     def _set_up(self, box: SandboxHandle, path) -> None:
         """Run the setups registered since this sandbox started (see ``set_up_sandboxes``)."""
-        setups = () if self.per_call else sandbox_setups()  # one call: the zygote imported for it
+        setups = () if self.deferred else sandbox_setups()  # confined as its call begins: the zygote imported for it
         while box.setups_done < len(setups):
             try:
                 message, fd, owned = _encode_request(setups[box.setups_done], (), {})

@@ -25,7 +25,7 @@ import traceback
 import types
 
 from .. import config, errors, process
-from ..confinement import policy as confine, output as confine_output, handed, programs as confine_programs
+from ..confinement import environment as confine_env, policy as confine, output as confine_output, handed, programs as confine_programs
 from . import faults, transport
 
 log = logging.getLogger("swift_safe_media")
@@ -102,6 +102,8 @@ def confine_then_call(files, fn, args, kwargs, network: bool = False, scratch: s
     policy, _pending_policy = _pending_policy, None
     if scratch is not None:
         confine_programs.write_here(scratch)
+    if network:
+        confine_env.without_token_file()
     if policy is not None:
         _confine(policy, handed.handed_fds(), network, scratch)
     del files

@@ -120,9 +120,9 @@ def decode_in_sandbox(requests, parallel: bool = False) -> list:
                 for path, timestamps, tolerance_s, backend, return_uint8, depth in requests]
     paths = [request[0] for request in requests]
     _refuse_known_bad(paths)
-    # A dataset streamed from the Hub is read over the network: an unconfined sandbox, still
-    # with the timeout. Failures name their path.
-    confine = not any(is_remote(path) for path in paths)
+    # A dataset streamed from the Hub is read over the network: a download's sandbox (it may
+    # connect out; no reads by name, writes, exec or secrets), still with the timeout.
+    confine = engine.NETWORK if any(is_remote(path) for path in paths) else True
     decoded = engine.call_each(frames_in_sandbox, requests, paths, parallel=parallel, confine=confine)
     return [frames if return_uint8 or depth else _as_lerobot_floats(frames)
             for frames, (*_, return_uint8, depth) in zip(decoded, requests)]
