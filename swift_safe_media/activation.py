@@ -25,7 +25,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     ``hosts`` cannot load here (checked once per run: see ``preflight``); what it had
     started by then is stopped, and the environment children inherit is as it was.
     Calling it again (with a registry known only later, say) updates the settings."""
-    from .checks import preflight
+    from .checks import preflight, user_code
     from .workers import forkserver as warm_start, respawn as worker_respawn, start as worker_start
     from .records import watchdog
 
@@ -51,6 +51,7 @@ def enable(*, timeout: float | None = None, max_memory_mb: int | None = None,
     watchdog.install()
     worker_start.install()
     worker_respawn.install()
+    user_code.warn_unbounded_openers(in_trainer=_starts_runs())  # once: openers enable() cannot bound
 
 
 _chosen_stats_dir: str | None = None

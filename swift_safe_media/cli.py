@@ -33,8 +33,11 @@ def main(argv=None) -> int:
     commands.add_parser("targets", help="show every patch target and whether the installed releases still have "
                                         "it (moved, renamed, signature changed, new decode functions)")
     from .hosts.swift.adapter import FLAGS  # the flags ms-swift and LeRobot take, parsed the same way
-    commands.add_parser("doctor", parents=[FLAGS], help="show what is installed and in force; "
-                        "exit 1 when protection cannot work here (takes the hosts' --safe_media_* flags)")
+    doctor = commands.add_parser("doctor", parents=[FLAGS], help="show what is installed and in force; "
+                                 "exit 1 when protection cannot work here (takes the hosts' --safe_media_* flags)")
+    doctor.add_argument("--script", metavar="TRAIN_PY",
+                        help="instead, read this training script (without running it) and name the media openers "
+                             "its DataLoader reaches that enable() does not bound, as enable() logs them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.command == "confinement":
@@ -136,6 +139,8 @@ def show_confinement() -> int:
 def run_doctor(args) -> int:
     from .checks import doctor
 
+    if args.script:
+        return doctor.report_script(args.script)
     try:
         config.write(source="flag", timeout=args.safe_media_timeout, max_memory_mb=args.safe_media_max_memory_mb,
                      mp_context=args.safe_media_mp_context, quarantine=args.safe_media_quarantine,

@@ -5,6 +5,9 @@ together, from the same check ``enable()`` makes), the host frameworks and wheth
 their versions are supported, every setting in effect and where it came from, the
 DataLoader workers' start method, the sandbox's confinement, and one sample decode
 through a sandbox with its time. Exits 1 when protection cannot work here.
+
+``doctor --script train.py`` shows instead the media openers that script's DataLoader
+reaches and ``enable()`` does not bound (:mod:`.user_code`), as ``enable()`` logs them.
 """
 
 from __future__ import annotations
@@ -278,4 +281,26 @@ def report(out=sys.stdout) -> int:
             say("swift-safe-media cannot protect this run: the sample decode failed in the sandbox (see above).")
         return 1
     say("protection can work here: enable it with --safe_media true (ms-swift, LeRobot) or SWIFT_SAFE_MEDIA=1")
+    return 0
+
+
+def report_script(path: str, out=None) -> int:
+    """``doctor --script train.py``: the media openers the script's DataLoader reaches that
+    ``enable()`` does not bound, read from its source (never run), as ``enable()`` logs
+    them. Exits 0 with or without findings; 2 when the script cannot be read or parsed."""
+    from . import user_code
+
+    out = out or sys.stdout  # the one in force now (a test's capture, say)
+    try:
+        findings = user_code.scan_script(path)
+    except (OSError, SyntaxError, ValueError) as exc:
+        print(f"swift-safe-media doctor: cannot read {path}: {exc}", file=out)
+        return 2
+    for finding in findings:
+        print(finding.message(), file=out)
+    if findings:
+        print(f"{len(findings)} unbounded media opener(s) found in {path} and the modules of its own it imports: "
+              "a hang there stalls the run with no error (bound each as its line says)", file=out)
+    else:
+        print(f"no unbounded media openers found in {path} and the modules of its own it imports", file=out)
     return 0
