@@ -12,19 +12,23 @@ The check is row 6 of the decision as each DataLoader starts its workers
 (:mod:`.start_method`), with its twin, :func:`main_unreachable`: a child that cannot import
 the main module at all (``python -`` names it ``<stdin>``, no file to run), or that needs
 the dataset's class from a main module without a file (``python -c``, the interactive
-interpreter, a notebook cell), would die as it starts; such a DataLoader forks its
-workers too, as stock PyTorch does.
+interpreter, a notebook cell), or one a script defines only under ``if __name__ ==
+"__main__":`` or by exec (a notebook cell exec'd into ``__main__``), would die as it
+starts; such a DataLoader forks its workers too, as stock PyTorch does.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import io
 import multiprocessing
 import os
+import pickle
 import pickletools
 import sys
 import threading
+import types
 
 RERUN_BY_CHILDREN = ("spawn", "forkserver")
 
@@ -38,7 +42,10 @@ def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, i
     if not path:
         return None  # python -c, the REPL: nothing is re-run (console scripts have no .py: still checked)
     frame = sys._current_frames().get(threading.main_thread().ident)
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+    # The script's own module code: not code exec'd in its namespace (a notebook cell run by
+    # exec(compile(cell, "<ipython-input-1>", "exec"), vars(__main__))), whose lines are the cell's.
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)
+                                     and _same_file(frame.f_code.co_filename, path)):
         frame = frame.f_back
     if frame is None:
         return None  # its module code has finished: a child's re-run stops short of this
@@ -48,24 +55,100 @@ def unguarded_main_statement(imports_are_harmless: bool = False) -> tuple[str, i
     return path, line
 
 
-def main_unreachable(pickled) -> str | None:
+def main_unreachable(pickled, main_names=frozenset) -> str | None:
     """Why a spawned or forkserver child could not have what it needs of the main module,
     or None: the main module names a file that is not one (``python -`` names it
-    ``<stdin>``: CPython's child tries to run it and dies), or it has no file (``-c``, the
-    REPL, a notebook) and ``pickled()`` (the dataset, collate_fn and worker_init_fn, as
-    pickle writes them; None if they do not pickle) names something defined there, which a
-    child cannot find. ``pickled`` is called only in that last case."""
+    ``<stdin>``: CPython's child tries to run it and dies); or it is a file (or a module
+    run with ``-m``) whose top level, imported as ``__mp_main__``, does not define a class
+    or function of ``__main__`` that ``main_names()`` (their qualified names, as
+    :func:`pickle_noting_main` notes them) says the dataset needs: one defined under
+    ``if __name__ == "__main__":``, or by code exec'd in its namespace (a notebook cell);
+    or it has no file (``-c``, the REPL, a notebook) and ``pickled()`` (the dataset,
+    collate_fn and worker_init_fn, as pickle writes them; None if they do not pickle)
+    names something defined there, which a child cannot find. ``pickled`` is called only
+    in that last case."""
     main = sys.modules.get("__main__")
-    if getattr(getattr(main, "__spec__", None), "name", None):
-        return None  # python -m: a child imports it by name
+    named = getattr(getattr(main, "__spec__", None), "name", None)
     path = getattr(main, "__file__", None)
-    if path:
-        return None if os.path.isfile(path) else f"the main script is {path}, which a child cannot run"
+    if path and not named and not os.path.isfile(path):
+        return f"the main script is {path}, which a child cannot run"
+    if named or path:
+        missing = sorted(_not_defined_on_import(path, main_names()))
+        if missing:
+            return (f"the DataLoader's dataset, collate_fn or worker_init_fn needs {', '.join(missing)} of the main "
+                    f"module, which a child importing {path} does not get (defined under `if __name__ == "
+                    f"\"__main__\":`, or by exec as a notebook cell is)")
+        return None
     data = pickled()
     if data is not None and _names_main(data):
         return ("the DataLoader's dataset, collate_fn or worker_init_fn is defined in a main module without a "
                 "file (python -c, stdin, the interactive interpreter, a notebook cell), which a child cannot import")
     return None
+
+
+def pickle_noting_main(value) -> tuple[bytes, frozenset[str]]:
+    """``pickle.dumps(value)``, and the qualified names of the classes and functions of
+    ``__main__`` it refers to (pickled by name: a child must find them in its main module)."""
+    names: set[str] = set()
+
+    class Noting(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+                names.add(obj.__qualname__)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    Noting(buffer, pickle.DEFAULT_PROTOCOL).dump(value)
+    return buffer.getvalue(), frozenset(names)
+
+
+def _not_defined_on_import(path: str | None, qualnames) -> set[str]:
+    """Of ``qualnames``, those whose top-level name the script at ``path`` does not bind
+    when imported as ``__mp_main__`` (none when that cannot be told)."""
+    bound = _bound_on_import(path) if path and qualnames else None
+    return set() if bound is None else {name for name in qualnames if name.split(".")[0] not in bound}
+
+
+def _same_file(code_file: str, path: str) -> bool:
+    return code_file == path or os.path.realpath(code_file) == os.path.realpath(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _bound_on_import(path: str) -> frozenset[str] | None:
+    """The names the script's top level binds outside its ``__name__ == "__main__"``
+    branches; None if unreadable, or if a star import leaves them unknown."""
+    tree = _script_tree(path)
+    if tree is None:
+        return None
+    names: set[str] = set()
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If):
+            branch = _main_branch(node)  # a child runs the other branch of a main guard, or both of another test
+            if branch is None:
+                pending += node.body + node.orelse
+            else:
+                pending += node.orelse if branch is node.body else node.body
+        elif isinstance(node, (ast.Try, ast.For, ast.While, ast.With)):
+            pending += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+            pending += [statement for handler in getattr(node, "handlers", ()) for statement in handler.body]
+            if isinstance(node, ast.For):
+                names.update(_targets(node.target))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in getattr(node, "targets", None) or [node.target]:
+                names.update(_targets(target))
+    return frozenset(names)
+
+
+def _targets(target) -> set[str]:
+    return {node.id for node in ast.walk(target) if isinstance(node, ast.Name)}
 
 
 def _names_main(pickled: bytes) -> bool:

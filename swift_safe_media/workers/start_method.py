@@ -13,7 +13,8 @@ tests/test_start_method.py). Rows 1-5 choose the method; rows 6 and 7 then check
 6. the method is spawn or forkserver and the main script's running statement is outside
    ``if __name__ == "__main__":`` (its children would run it again), or a child could not
    import what it needs of the main module (``python -``; the dataset defined under
-   ``python -c``, the REPL or a notebook) -> ``fork`` (warning);
+   ``python -c``, the REPL or a notebook, or by a script only under its main guard or by
+   exec) -> ``fork`` (warning);
 7. the method is the warm forkserver and it has threads -> ``spawn`` (warning).
 
 Each input is read only when a rule needs it (pickling the dataset, reading the script,
@@ -26,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
-import pickle
 from dataclasses import dataclass
 
 from .. import config
@@ -80,13 +80,22 @@ class StartInputs:
         return config.mp_context()
 
     @functools.cached_property
-    def pickled(self) -> bytes | Exception:
-        """The dataset, collate_fn and worker_init_fn as pickle writes them, or why it cannot."""
+    def _pickling(self) -> tuple[bytes | Exception, frozenset[str]]:
         loader = self.loader
         try:
-            return pickle.dumps((loader.dataset, loader.collate_fn, loader.worker_init_fn))
+            return spawn_guard.pickle_noting_main((loader.dataset, loader.collate_fn, loader.worker_init_fn))
         except Exception as exc:
-            return exc
+            return exc, frozenset()
+
+    @property
+    def pickled(self) -> bytes | Exception:
+        """The dataset, collate_fn and worker_init_fn as pickle writes them, or why it cannot."""
+        return self._pickling[0]
+
+    @property
+    def main_names(self) -> frozenset[str]:
+        """The classes and functions of ``__main__`` they refer to, by qualified name."""
+        return self._pickling[1]
 
     @functools.cached_property
     def unpicklable(self) -> str | None:
@@ -111,7 +120,8 @@ class StartInputs:
         module; None when it can, or in a child process."""
         if multiprocessing.parent_process() is not None:
             return None
-        return spawn_guard.main_unreachable(lambda: self.pickled if isinstance(self.pickled, bytes) else None)
+        return spawn_guard.main_unreachable(lambda: self.pickled if isinstance(self.pickled, bytes) else None,
+                                            lambda: self.main_names)
 
     @functools.cached_property
     def forkserver_problem(self) -> str | None:
