@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -92,9 +93,27 @@ def test_a_call_by_name_reads_its_own_file_and_nothing_else(video, targets, fres
     assert caught.value.path == "/datasets/other.mp4" and "sandbox refused a file access" in str(caught.value)
 
 
-def test_each_call_by_name_gets_a_sandbox_of_its_own(video, fresh_engine):
-    pids = {engine.call(os.getpid, path=video, confine=engine.BY_NAME) for _ in range(3)}
-    assert len(pids) == 3
+def test_a_sandbox_by_name_serves_the_next_call_on_the_same_files_only(video, tmp_path, fresh_engine):
+    """A host reads one file several times in a row (LLaMA-Factory: a row's frames, its
+    stream metadata, its audio): the sandbox confined for those files is kept for the next
+    call on exactly them; a call on any other set of files gets one of its own, and the
+    kept one is ended (engine/per_call.py)."""
+    other = str(tmp_path / "other.mp4")
+    shutil.copy(video, other)
+    first = engine.call(os.getpid, path=video, confine=engine.BY_NAME)
+    assert engine.call(os.getpid, path=video, confine=engine.BY_NAME) == first
+    both = set(engine.call_each(os.getpid, [(), ()], [video, other], confine=engine.BY_NAME))
+    assert len(both) == 1
+    both = both.pop()
+    alone = engine.call(os.getpid, path=other, confine=engine.BY_NAME)
+    assert len({first, both, alone}) == 3  # a subset of the files is not the same files
+    assert engine.call(os.getpid, path=video, confine=engine.BY_NAME) not in {first, both, alone}
+    with pytest.raises(ProcessLookupError):
+        os.kill(first, 0)  # ended once a call on other files came
+    # A kept sandbox still reads only its own file.
+    engine.call(read_then_attack, video, confine=engine.BY_NAME)
+    with pytest.raises(MediaDecodeError, match="sandbox refused a file access"):
+        engine.call(read_then_attack, other, path=video, confine=engine.BY_NAME)
 
 
 def test_files_beneath_the_read_roots_use_the_pooled_confined_sandbox(video, targets, fresh_engine, monkeypatch):
@@ -127,21 +146,24 @@ def ticks_since_boot() -> float:
         return float(uptime.read().split()[0]) * os.sysconf("SC_CLK_TCK")
 
 
-def test_the_next_calls_sandbox_is_forked_ahead_and_follows_the_environment(video, fresh_engine, monkeypatch):
-    """A call by name takes a sandbox forked while the call before it ran (the fork of a
-    zygote full of imports is off the call's path); one forked before the sandbox's
-    environment changed is ended, never used."""
+def test_the_next_calls_sandbox_is_forked_ahead_and_follows_the_environment(video, tmp_path, fresh_engine,
+                                                                            monkeypatch):
+    """A call by name on other files takes a sandbox forked while the call before it ran
+    (the fork of a zygote full of imports is off the call's path); a sandbox forked, or
+    kept for the same files, before the sandbox's environment changed is ended, never used."""
+    other = str(tmp_path / "other.mp4")
+    shutil.copy(video, other)
     monkeypatch.setenv("SWIFT_SAFE_MEDIA_SANDBOX_ENV", "SPARE_PROBE")
     monkeypatch.setenv("SPARE_PROBE", "before")
     first, _, seen = engine.call(started_and_setting, "SPARE_PROBE", path=video, confine=engine.BY_NAME)
     assert seen == "before"
     time.sleep(0.5)
     asked = ticks_since_boot()
-    second, started, seen = engine.call(started_and_setting, "SPARE_PROBE", path=video, confine=engine.BY_NAME)
+    second, started, seen = engine.call(started_and_setting, "SPARE_PROBE", path=other, confine=engine.BY_NAME)
     assert second != first and seen == "before"
     assert started < asked - 0.2 * os.sysconf("SC_CLK_TCK"), (started, asked)  # ready before it was asked for
     monkeypatch.setenv("SPARE_PROBE", "after")
-    third, _, seen = engine.call(started_and_setting, "SPARE_PROBE", path=video, confine=engine.BY_NAME)
+    third, _, seen = engine.call(started_and_setting, "SPARE_PROBE", path=other, confine=engine.BY_NAME)
     assert third not in (first, second) and seen == "after"
 
 

@@ -21,10 +21,10 @@ import time
 from .. import config, process
 from ..confinement import handed, policy as confine, reply_unpickler
 from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
-from . import faults, run_folders, sandbox as sandbox_side, transport
+from . import faults, per_call, run_folders, sandbox as sandbox_side, transport
 from .faults import RemoteTraceback, describe_status  # noqa: F401  (RemoteTraceback: part of the API)
 from .sandbox_kinds import (BY_NAME, NETWORK, PER_CALL, PROGRAMS, by_name, forget_sandbox_setup, import_before_fork,  # noqa: F401
-                            imports_before_fork, refuse_what_cannot_be_handed, sandbox_setups, set_up_sandboxes)
+                            refuse_what_cannot_be_handed, sandbox_setups, set_up_sandboxes)
 from .zygote import SandboxHandle
 from .zygote_link import ZygoteLink, for_this_process
 
@@ -45,6 +45,7 @@ class SandboxPool:
         self._lock = threading.Condition()
         self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
         self._spare = None  # per call: the next call's sandbox, asked for ahead (zygote.SpawnAhead)
+        self._kept = None  # per call: the last one, kept for a call on the same files (per_call.keep)
         self._idle: list[SandboxHandle] = []
         self._busy = 0
         self._closed = False
@@ -100,14 +101,9 @@ class SandboxPool:
         if not self.per_call:
             self._checkin(box)
             return
-        box.kill()
-        with self._link.lock:
-            try:
-                if self._link.serves(box.origin):
-                    box.origin.retire(box.pid)
-            except OSError:
-                self._link.drop()
-        self._release_slot()
+        if not per_call.keep(self, box):
+            per_call.end_kept(self, box)
+            self._release_slot()
 
     def _release_slot(self) -> None:
         with self._lock:
@@ -121,7 +117,7 @@ class SandboxPool:
             while True:
                 zygote = link.current()
                 try:
-                    box = self._spare_sandbox(zygote, deadline) if self.per_call else \
+                    box = per_call.spare_sandbox(self, zygote, deadline) if self.per_call else \
                         zygote.spawn(config.max_memory_mb(), deadline, self.confined, () if self.deferred else None)
                     break
                 except (OSError, EOFError) as exc:
@@ -137,24 +133,6 @@ class SandboxPool:
                     raise
         box.origin = zygote
         self.stats["sandboxes_started"] += 1
-        return box
-
-    def _spare_sandbox(self, zygote, deadline: float) -> SandboxHandle:
-        """A sandbox for one call: the one asked for ahead (forked while the last call ran)
-        when it fits this call, and the next one asked for now (:meth:`.Zygote.spawn_ahead`;
-        the fork, some 20 ms of a zygote full of imports, is off the call's path)."""
-        memory_cap_mb, imports = config.max_memory_mb(), imports_before_fork()
-        spare, self._spare = self._spare, None
-        box = None
-        if spare is not None and spare.zygote is zygote:
-            box = spare.sandbox(deadline)
-            if not spare.matches(zygote, memory_cap_mb, imports):  # the environment changed since
-                box.kill()
-                zygote.retire(box.pid)
-                box = None
-        if box is None:
-            box = zygote.spawn(memory_cap_mb, deadline, self.confined, imports)
-        self._spare = zygote.spawn_ahead(memory_cap_mb, self.confined, imports)
         return box
 
     def _end(self, box: SandboxHandle) -> tuple[int, int]:
@@ -207,20 +185,23 @@ class SandboxPool:
             scratch = run_folders.scratch_for_call() if self.programs else None
             fn, args, kwargs = sandbox_side.confine_then_call, (readable, fn, args, kwargs, self.network, scratch), {}
             try:
-                return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress)
+                return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress,
+                                 per_call.grants_of(readable) if self.per_call and not self.programs else None)
             finally:
                 if scratch is not None:
                     run_folders.remove_scratch(scratch)  # its sandbox has ended (retired or killed)
         return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress)
 
-    def _run(self, fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress):
+    def _run(self, fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress, grants=None):
         message, fd, owned = _encode_request(fn, args, kwargs)
         try:
-            box = self._ready_sandbox(path)
+            box = per_call.take_kept(self, grants) or self._ready_sandbox(path)
         except BaseException:
             if owned:
                 os.close(fd)
             raise
+        if box.grants is None:
+            box.grants = grants  # confined by this call for these files (a kept one: for these same files)
         self.stats["calls"] += 1
         if on_start is not None:
             on_start()
@@ -321,7 +302,9 @@ class SandboxPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
+            idle, self._idle, kept, self._kept = self._idle, [], self._kept, None
+        if kept is not None:
+            per_call.end_kept(self, kept)
         for box in idle:
             box.conn.close()
         with self._link.lock:
@@ -330,9 +313,9 @@ class SandboxPool:
                 spare.box.kill()  # one whose reply is unread dies with the zygote's connection
 
     def abandon(self) -> None:
-        for box in self._idle:
+        for box in self._idle + ([self._kept] if self._kept is not None else []):
             box.conn.close()
-        self._idle = []
+        self._idle, self._kept = [], None
         if self._spare is not None and self._spare.box is not None:
             self._spare.box.conn.close()
         self._spare = None

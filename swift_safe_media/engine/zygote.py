@@ -69,6 +69,8 @@ class SandboxHandle:
         self.blocks = transport.MappedBlocks()
         self.setups_done = 0  # how many of the pool's sandbox setups have run here
         self.origin = None  # the Zygote that forked it (the only one that may reap it)
+        self.grants = None  # a sandbox for one call: what it may read (engine.per_call)
+        self.request = None  # the spawn request it came from: its environment and imports
 
     def hand_back_blocks(self, deadline) -> None:
         """Tell the sandbox which of its arena blocks no array here views any more."""
@@ -136,7 +138,7 @@ class Zygote:
                     for_files: tuple[str, ...] | None = None) -> "SpawnAhead":
         """Ask for a sandbox now and take it later (:meth:`SpawnAhead.sandbox`): the zygote
         forks it while the caller goes on (the next call's sandbox, while this call runs)."""
-        body = _spawn_payload(for_files)
+        body = spawn_request(for_files)
         self._collect_replies(time.monotonic() + REQUEST_TIMEOUT_S)
         op = SPAWN_FOR_FILES if for_files is not None else SPAWN if confined else SPAWN_UNCONFINED
         self.control.settimeout(REQUEST_TIMEOUT_S)
@@ -216,16 +218,17 @@ class SpawnAhead:
         """The sandbox, once the zygote has forked it (the caller holds the zygote's lock)."""
         if self.box is None:
             self.zygote._collect_replies(deadline)
+        self.box.request = self.request  # what it was started with (a kept sandbox is checked against it)
         return self.box
 
     def matches(self, zygote: Zygote, memory_cap_mb: int, for_files) -> bool:
         """Whether a call now would ask for this very sandbox (same zygote, cap, environment
         and imports): else it is ended and another one asked for."""
         return zygote is self.zygote and memory_cap_mb == self.memory_cap_mb \
-            and _spawn_payload(for_files) == self.request
+            and spawn_request(for_files) == self.request
 
 
-def _spawn_payload(for_files) -> bytes:
+def spawn_request(for_files) -> bytes:
     """A spawn request's JSON: the caller's environment, which the sandbox takes as its own,
     and for a sandbox of one call the modules the zygote imports first."""
     environment = zygote_start.environment_for_sandbox()
