@@ -7,13 +7,13 @@ _moved.install()  # old module paths (swift_safe_media.pool, ...) keep working
 package_logger()
 
 from .activation import disable, enable, is_enabled  # noqa: E402
-from .engine.calls import call, isolated, shutdown  # noqa: E402
+from .engine.calls import BY_NAME, call, isolated, shutdown  # noqa: E402
 from .errors import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,  # noqa: E402
                      MediaQuarantined, ProtectionUnavailable)
 
 __version__ = "0.1.0"
 
-__all__ = ["call", "isolated", "shutdown", "enable", "disable", "is_enabled",
+__all__ = ["call", "isolated", "shutdown", "BY_NAME", "enable", "disable", "is_enabled",
            "MediaDecodeError", "MediaDecodeTimeout", "MediaDecodeCrash", "MediaQuarantined", "MediaMachineFault",
            "ProtectionUnavailable",
            "__version__"]

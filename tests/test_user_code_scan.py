@@ -140,7 +140,7 @@ def test_enable_names_each_unbounded_opener_once_and_doctor_the_same(tmp_path, c
     for line, opener in expected.items():
         [warning] = [text for text in found if f"train.py:{line} " in text]
         assert f"opens media with {opener}, which enable() does not bound" in warning, warning
-        assert "@swift_safe_media.isolated(timeout=30)" in warning and "swift_safe_media.call(" in warning
+        assert "@swift_safe_media.isolated(timeout=30, confine=swift_safe_media.BY_NAME)" in warning, warning
     assert "frames_of (reached from ClipDataset.__getitem__)" in found[0]
     assert "collate opens media with av.open" in found[1]
 

@@ -105,14 +105,17 @@ class Finding:
                 f"Bound it: {how_to_bound(self.function)}")
 
 
+# These openers read the file by its name, natively: a sandbox confined for that call's files.
+DECORATOR = "@swift_safe_media.isolated(timeout=30, confine=swift_safe_media.BY_NAME)"
+
+
 def how_to_bound(function: str) -> str:
     """The one-line fix: the opening function run in a sandbox with a hard timeout."""
     if "." in function or function.startswith("<"):  # a method or a lambda: its opening moves out
-        return ("move what opens the media into a module-level function decorated with "
-                "@swift_safe_media.isolated(timeout=30), or call it as swift_safe_media.call(fn, *args) "
-                "(arguments and result must pickle; see docs/engine.md)")
-    return (f"decorate it, @swift_safe_media.isolated(timeout=30) above def {function}, or call it as "
-            f"swift_safe_media.call({function}, *args) (arguments and result must pickle; see docs/engine.md)")
+        return (f"move what opens the media into a module-level function decorated with {DECORATOR}, "
+                f"its path the first argument (arguments and result must pickle; see docs/engine.md)")
+    return (f"decorate it, {DECORATOR} above def {function}, its path the first argument "
+            f"(arguments and result must pickle; see docs/engine.md)")
 
 
 def shown_path(path: str) -> str:

@@ -342,6 +342,8 @@ def isolated(timeout: float | None = None, confine: bool = True):
     """Decorator: every call of the function runs through :func:`call`.
 
     Use as ``@isolated`` or ``@isolated(timeout=10)`` on a module-level function;
+    ``@isolated(confine=BY_NAME)`` for one whose library opens the file by its name
+    (PyAV, decord, OpenCV: a confined sandbox of its own that may read that call's files);
     ``@isolated(confine=False)`` for one that needs the network or writes files.
     """
     if callable(timeout):
