@@ -1,7 +1,8 @@
 """The cost of bounding the libraries' entry points (issue 32), measured side by side.
 
 1. Each entry point run whole in the sandbox (what protection does: a confined sandbox per
-   call where stock opens its file by name) against stock in this process and against a
+   call where stock opens its file by name; on another file than the last call's, and on the
+   same file again, where the sandbox is kept) against stock in this process and against a
    pooled sandbox reused call after call (before issue 42): median wall time of
    alternating calls after one warm-up call of each, with the spread.
 2. What a proxy at the library boundary would pay instead: one round trip to the sandbox
@@ -34,43 +35,54 @@ def frame(shape=(720, 1280, 3)):
 
 
 def cases(corpus):
+    """(name, media, call of a path): each entry point as stock calls it."""
     video, wav = corpus["h264_720p.mp4"], corpus["pcm_48k_stereo.wav"]
     return [
         ("transformers load_video (pyav, 16 frames, 720p)", video,
-         lambda: __import__("transformers.video_utils").video_utils.load_video(video, num_frames=16)),
+         lambda path: __import__("transformers.video_utils").video_utils.load_video(path, num_frames=16)),
         ("transformers load_video (decord, 16 frames, 720p)", video,
-         lambda: __import__("transformers.video_utils").video_utils.load_video(video, num_frames=16,
-                                                                               backend="decord")),
-        ("keye_vl_utils.fetch_video (720p)", video, lambda: __import__("keye_vl_utils").fetch_video({"video": video})),
-        ("librosa.load (48 kHz stereo -> 16 kHz)", wav, lambda: __import__("librosa").load(wav, sr=16000)),
-        ("soundfile.read (48 kHz stereo)", wav, lambda: __import__("soundfile").read(wav)),
-        ("whisper.load_audio (ffmpeg)", wav, lambda: __import__("whisper").load_audio(wav)),
+         lambda path: __import__("transformers.video_utils").video_utils.load_video(path, num_frames=16,
+                                                                              backend="decord")),
+        ("keye_vl_utils.fetch_video (720p)", video, lambda path: __import__("keye_vl_utils").fetch_video({"video": path})),
+        ("librosa.load (48 kHz stereo -> 16 kHz)", wav, lambda path: __import__("librosa").load(path, sr=16000)),
+        ("soundfile.read (48 kHz stereo)", wav, lambda path: __import__("soundfile").read(path)),
+        ("whisper.load_audio (ffmpeg)", wav, lambda path: __import__("whisper").load_audio(path)),
     ]
 
 
-def median_triple(call, repeats):
+def median_columns(call, media, repeats):
     """Stock here; in the sandbox as protection runs it (a confined sandbox per call where
-    stock opens its file by name, issue 42); in a pooled sandbox reused call after call
-    (what it was before: the unconfined pool). Alternating, after a warm-up of each:
-    (median, least, most) of each."""
-    from swift_safe_media.engine import calls as engine
-    from swift_safe_media.patching import media_libraries as media
+    stock opens its file by name, issue 42), on another file each call (two copies, taken in
+    turn: a fresh sandbox each time) and on the same file again (the sandbox kept for it,
+    engine/per_call.py); in a pooled sandbox reused call after call (what it was before: the
+    unconfined pool). Alternating, after a warm-up of each: (median, least, most) of each."""
+    import shutil
 
+    from swift_safe_media.engine import calls as engine
+    from swift_safe_media.patching import media_libraries as media_patches
+
+    stem, suffix = os.path.splitext(media)
+    copies = [media, f"{stem}-copy{suffix}"]
+    shutil.copyfile(media, copies[1])
     by_name = engine.by_name
 
-    def timed(patched, pooled=False):
-        (media.PATCHES.patch if patched else media.PATCHES.unpatch)()
+    def timed(patched, path, pooled=False):
+        (media_patches.PATCHES.patch if patched else media_patches.PATCHES.unpatch)()
         engine.by_name = (lambda runs_ffmpeg=False, files=(): False) if pooled else by_name
         start = time.perf_counter()
         try:
-            call()
+            call(path)
         finally:
             engine.by_name = by_name
         return time.perf_counter() - start
 
-    timed(False), timed(True), timed(True, pooled=True)  # warm-up: imports, sandboxes, numba, file cache
-    rounds = [(timed(False), timed(True), timed(True, pooled=True)) for _ in range(repeats)]
-    media.PATCHES.patch()
+    def one_round(turn):
+        fresh = timed(True, copies[turn % 2])  # the other copy than the last call's: a new sandbox
+        return timed(False, media), fresh, timed(True, copies[turn % 2]), timed(True, media, pooled=True)
+
+    one_round(1)  # warm-up: imports, sandboxes, numba, file cache
+    rounds = [one_round(turn) for turn in range(repeats)]
+    media_patches.PATCHES.patch()
     return [(statistics.median(column), min(column), max(column)) for column in zip(*rounds)]
 
 
@@ -110,12 +122,14 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         corpus = media_corpus.build(folder)
         ssm.enable(timeout=120)
-        print("| entry point | stock, in process | in a sandbox per call (now) | ratio | "
-              "in a pooled sandbox (before) | ratio |\n|---|---|---|---|---|---|")
-        for name, _, call in cases(corpus):
-            (stock, *_), (ours, low, high), (pooled, *_) = median_triple(call, args.repeats)
+        print("| entry point | stock, in process | a sandbox per call, another file (now) | ratio | "
+              "the same file again (kept sandbox) | ratio | a pooled sandbox (before) | ratio |\n"
+              "|---|---|---|---|---|---|---|---|")
+        for name, media, call in cases(corpus):
+            (stock, *_), (ours, low, high), (kept, *_), (pooled, *_) = median_columns(call, media, args.repeats)
             print(f"| {name} | {stock * 1e3:.1f} ms | {ours * 1e3:.1f} ms [{low * 1e3:.1f}-{high * 1e3:.1f}] | "
-                  f"{ours / stock:.2f}x | {pooled * 1e3:.1f} ms | {pooled / stock:.2f}x |")
+                  f"{ours / stock:.2f}x | {kept * 1e3:.1f} ms | {kept / stock:.2f}x | {pooled * 1e3:.1f} ms | "
+                  f"{pooled / stock:.2f}x |")
         one = round_trip(args.repeats)
         print(f"\nproxy at the library boundary: one round trip returning a 720p frame {one * 1e3:.2f} ms; "
               f"a 16-frame decord read through a proxy: 18 round trips, about {one * 18 * 1e3:.1f} ms "
