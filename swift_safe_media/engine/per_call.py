@@ -18,8 +18,6 @@ a call against a pooled sandbox. Two things take it off the call's path:
 
 from __future__ import annotations
 
-import os
-
 from .. import config
 from .sandbox_kinds import imports_before_fork
 from .zygote import spawn_request
@@ -44,19 +42,6 @@ def spare_sandbox(pool, zygote, deadline: float):
     return box
 
 
-def grants_of(readable) -> frozenset | None:
-    """What a by-name sandbox confined for ``readable`` may read, as (device, inode) pairs;
-    None where that cannot be told (nothing to read, a file gone)."""
-    keys = set()
-    for name in readable:
-        try:
-            found = os.stat(name)
-        except OSError:
-            return None
-        keys.add((found.st_dev, found.st_ino))
-    return frozenset(keys) or None
-
-
 def take_kept(pool, grants):
     """The kept sandbox, checked out, if it was confined for exactly the files of ``grants``; else None."""
     if grants is None:
@@ -74,8 +59,9 @@ def take_kept(pool, grants):
 
 def keep(pool, box) -> bool:
     """After a call: keep ``box`` (a by-name sandbox that served it) for the next call,
-    ending the one kept before. False where it is not to be kept."""
-    if box.grants is None or pool.programs or not box.is_alive():
+    ending the one kept before. False where it is not to be kept (no grants: one that runs
+    ffmpeg, or whose files could not be told)."""
+    if box.grants is None or not box.is_alive():
         return False
     with pool._lock:
         if pool._closed:
@@ -84,11 +70,12 @@ def keep(pool, box) -> bool:
         pool._busy -= 1
         pool._lock.notify()
     if previous is not None:
-        end_kept(pool, previous)
+        end(pool, previous)
     return True
 
 
-def end_kept(pool, box) -> None:
+def end(pool, box) -> None:
+    """Kill a sandbox of one call and have its zygote collect it."""
     box.kill()
     with pool._link.lock:
         try:

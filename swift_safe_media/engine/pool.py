@@ -102,7 +102,7 @@ class SandboxPool:
             self._checkin(box)
             return
         if not per_call.keep(self, box):
-            per_call.end_kept(self, box)
+            per_call.end(self, box)
             self._release_slot()
 
     def _release_slot(self) -> None:
@@ -181,12 +181,12 @@ class SandboxPool:
         if self.deferred:
             readable = [handed.hand(os.path.abspath(name)) for name in (files or [path])
                         if isinstance(name, (str, os.PathLike)) and not self.network]
-            refuse_what_cannot_be_handed(readable)
+            grants = refuse_what_cannot_be_handed(readable)
             scratch = run_folders.scratch_for_call() if self.programs else None
             fn, args, kwargs = sandbox_side.confine_then_call, (readable, fn, args, kwargs, self.network, scratch), {}
             try:
                 return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress,
-                                 per_call.grants_of(readable) if self.per_call and not self.programs else None)
+                                 grants if self.per_call and not self.programs else None)
             finally:
                 if scratch is not None:
                     run_folders.remove_scratch(scratch)  # its sandbox has ended (retired or killed)
@@ -304,7 +304,7 @@ class SandboxPool:
             self._closed = True
             idle, self._idle, kept, self._kept = self._idle, [], self._kept, None
         if kept is not None:
-            per_call.end_kept(self, kept)
+            per_call.end(self, kept)
         for box in idle:
             box.conn.close()
         with self._link.lock:

@@ -89,14 +89,21 @@ def forget_sandbox_setup(fn) -> None:
         _sandbox_setups.remove(fn)
 
 
-def refuse_what_cannot_be_handed(names) -> None:
+def refuse_what_cannot_be_handed(names) -> frozenset | None:
     """Before a call ``BY_NAME``: a named file that exists but is not a regular file (a FIFO,
     a device, a socket: stock would wait on it for ever) fails here, named, as the twins'
-    guards fail it; its sandbox could not read it anyway."""
+    guards fail it; its sandbox could not read it anyway. Returns what that sandbox is
+    confined to read, as (device, inode) pairs (a kept sandbox is matched on them:
+    :mod:`.per_call`), or None where that cannot be told (nothing named, a name gone)."""
+    grants: set | None = set()
     for name in names:
         try:
-            mode = os.stat(name).st_mode
+            found = os.stat(name)
         except (OSError, TypeError, ValueError):
+            grants = None
             continue
-        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-            raise MediaDecodeError(name, f"not a regular file ({handed.special_kind(mode)})")
+        if not stat.S_ISREG(found.st_mode) and not stat.S_ISDIR(found.st_mode):
+            raise MediaDecodeError(name, f"not a regular file ({handed.special_kind(found.st_mode)})")
+        if grants is not None:
+            grants.add((found.st_dev, found.st_ino))
+    return frozenset(grants) if grants else None
