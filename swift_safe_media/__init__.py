@@ -8,12 +8,13 @@ package_logger()
 
 from .activation import disable, enable, is_enabled  # noqa: E402
 from .engine.calls import BY_NAME, call, isolated, shutdown  # noqa: E402
+from .workers.skipping import skip_bad_samples  # noqa: E402
 from .errors import (MediaDecodeCrash, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault,  # noqa: E402
                      MediaQuarantined, ProtectionUnavailable)
 
 __version__ = "0.1.0"
 
-__all__ = ["call", "isolated", "shutdown", "BY_NAME", "enable", "disable", "is_enabled",
+__all__ = ["call", "isolated", "shutdown", "BY_NAME", "enable", "disable", "is_enabled", "skip_bad_samples",
            "MediaDecodeError", "MediaDecodeTimeout", "MediaDecodeCrash", "MediaQuarantined", "MediaMachineFault",
            "ProtectionUnavailable",
            "__version__"]

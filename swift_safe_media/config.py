@@ -105,6 +105,9 @@ TIMEOUT_CEILING = _declare("SWIFT_SAFE_MEDIA_TIMEOUT_CEILING", FLOAT, 5.0,
                            "waited for a CPU is added to it", minimum=1.0)
 MACHINE_RETRIES = _declare("SWIFT_SAFE_MEDIA_MACHINE_RETRIES", INT, 2,
                            "fresh sandboxes a call tries after a machine fault", minimum=0)
+BOUND_OPENERS = _declare("SWIFT_SAFE_MEDIA_BOUND_OPENERS", SWITCH, True,
+                         "a decode your own code makes in a DataLoader worker with decord, PyAV, OpenCV, "
+                         "torchcodec, imageio or moviepy ends at the timeout (the worker is killed and replaced)")
 WORKER_RESTARTS = _declare("SWIFT_SAFE_MEDIA_WORKER_RESTARTS", INT, 3,
                            "DataLoader workers killed from outside that a DataLoader iterator replaces",
                            minimum=0)
@@ -180,6 +183,8 @@ STALL_ACTION = _declare("SWIFT_SAFE_MEDIA_STALL_ACTION", CHOICE, "log",
 STATS_DIR = _declare("SWIFT_SAFE_MEDIA_STATS_DIR", PATH, None,
                      "per-process decode statistics for the run summary (next to the registry)",
                      internal=True)
+DEADLINE_DIR = _declare("SWIFT_SAFE_MEDIA_DEADLINE_DIR", PATH, None,
+                        "where DataLoader workers mark the decodes the trainer ends at the timeout", internal=True)
 INFLIGHT_DIR = _declare("SWIFT_SAFE_MEDIA_INFLIGHT_DIR", PATH, None,
                         "what each process decodes now, for the stall watchdog", internal=True)
 SUMMARY_STEPS = _declare("SWIFT_SAFE_MEDIA_SUMMARY_STEPS", INT, 200,  # LeRobot's own log_freq default

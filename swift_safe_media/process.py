@@ -50,6 +50,8 @@ class ProcessState:
     # Temporary folders this process made -> the descriptor that holds its lock (run_folders):
     # a forked child owns none (it only shares the parent's locks while it lives)
     temporary_folders: dict = field(default_factory=dict)
+    # workers.decode_deadline: this DataLoader worker's Slot (or InTrainer), made at first use
+    deadline_slot: object = None
     scratch_folder: str | None = None  # run_folders.scratch_for_call's parent, made on first use
 
 

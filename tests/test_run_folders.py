@@ -66,7 +66,7 @@ def _wait_for(condition, within: float) -> bool:
 def test_a_trainer_killed_mid_decode_leaves_no_folder_socket_or_process(temp_dir):
     trainer, facts = _start_trainer(temp_dir)
     kinds = sorted(os.path.basename(folder).split("-")[3] for folder in facts["folders"])
-    assert kinds == ["inflight", "stats", "zygote"], facts
+    assert kinds == ["deadline", "inflight", "stats", "zygote"], facts
     assert all(folder.startswith(temp_dir) for folder in facts["folders"])
     # Forkserver, workers, zygote, sandboxes. A decode is recorded in flight just before its
     # sandbox is forked, so the last sandbox may still be on its way.

@@ -129,8 +129,12 @@ def clip(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_enable_names_each_unbounded_opener_once_and_doctor_the_same(tmp_path, clip, monkeypatch, capsys):
+    """With the openers' bound in DataLoader workers switched off, decord and PyAV in a worker are
+    named (with it on, only calls in the training process are: tests/test_own_decoders_bounded.py)."""
     (tmp_path / "train.py").write_text(TRAIN)
-    done = run_script(tmp_path, "train.py", {"CLIP": clip}, warm_start=True)  # the default users get
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_BOUND_OPENERS", "0")  # for doctor, below
+    done = run_script(tmp_path, "train.py", {"CLIP": clip, "SWIFT_SAFE_MEDIA_BOUND_OPENERS": "0"},
+                      warm_start=True)  # the start users get
     assert done.returncode == 0, done.stderr[-3000:]
     assert "batches [([8, 9], 1), ([10, 11], 1)]" in done.stdout, done.stdout  # 8 frames + index: decoded for real
     assert "read in __mp_main__" in done.stdout and "read in __main__" not in done.stdout, done.stdout
@@ -182,7 +186,8 @@ def sites(findings) -> list[tuple[str, int, str, str]]:
     return [(finding.path.rsplit("/", 1)[-1], finding.line, finding.function, finding.opener) for finding in findings]
 
 
-def test_calls_are_followed_into_the_users_modules_and_not_into_isolated_functions(tmp_path):
+def test_calls_are_followed_into_the_users_modules_and_not_into_isolated_functions(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_BOUND_OPENERS", "0")  # every opener named: the following is what is tested
     write(tmp_path, {
         "train.py": """
             import functools
@@ -331,7 +336,8 @@ def test_unreadable_or_odd_sources_never_raise(tmp_path):
     assert cli.main(["doctor", "--script", str(tmp_path / "bad.py")]) == 2
 
 
-def test_the_scan_of_a_long_script_takes_under_50_ms(tmp_path):
+def test_the_scan_of_a_long_script_takes_under_50_ms(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_BOUND_OPENERS", "0")  # every opener named, as before they were bounded
     """A training script of about 550 lines: 20 datasets, each reaching decord through 5 helpers."""
     helpers = "".join(f"def helper_{n}(path):\n    return helper_{n + 1}(path) + len(str(path))\n\n\n"
                       if n % 5 != 4 else f"def helper_{n}(path):\n    return decord.VideoReader(path)\n\n\n"

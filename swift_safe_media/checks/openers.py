@@ -3,11 +3,14 @@
 
 ``enable()`` bounds function-shaped entry points (``librosa.load``, ``soundfile.read``,
 ``torchaudio.load``, transformers' loaders, ``torchvision.io.read_video``: the rows of
-:mod:`..patching.media_libraries`). Object-shaped openers and programs run by hand are
-not proxied: a call to one from a user's ``Dataset``, ``collate_fn`` or
-``worker_init_fn`` runs in the worker itself, where a hang stalls the run with no error.
-Each is named here by its package and its name, so that an alias (``import decord as
-de``, ``from av import open as av_open``) or a submodule path
+:mod:`..patching.media_libraries`) wherever they run. The object-shaped openers of
+:mod:`..patching.media_openers` (decord, PyAV, OpenCV, torchcodec, imageio, moviepy) are
+bounded in DataLoader workers (:mod:`..workers.decode_deadline`), so a call to one is
+named only where it runs in the training process (a dataset's ``__init__``) or with
+``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``. The rest (decord's ``VideoLoader``, torchvision's
+``VideoReader``, ffmpeg-python, the ffmpeg programs run by hand) are named wherever the
+DataLoader reaches them. Each is named here by its package and its name, so that an
+alias (``import decord as de``, ``from av import open as av_open``) or a submodule path
 (``decord.video_reader.VideoReader``, ``av.container.open``) reads the same.
 """
 
@@ -16,6 +19,8 @@ from __future__ import annotations
 import ast
 import os
 from dataclasses import dataclass
+
+from .. import config
 
 # (top-level package, name): opened whatever the call's arguments.
 OBJECT_OPENERS = frozenset({
@@ -28,6 +33,15 @@ OBJECT_OPENERS = frozenset({
     ("imageio_ffmpeg", "read_frames"), ("imageio_ffmpeg", "count_frames_and_secs"),
     ("moviepy", "VideoFileClip"), ("moviepy", "AudioFileClip"),
     ("ffmpeg", "input"), ("ffmpeg", "probe"), ("ffmpeg", "run"),  # ffmpeg-python: runs the ffmpeg program
+})
+# Bounded in a DataLoader worker (patching.media_openers), unless SWIFT_SAFE_MEDIA_BOUND_OPENERS=0.
+BOUNDED_IN_WORKERS = frozenset({
+    ("decord", "VideoReader"), ("decord", "AudioReader"), ("decord", "AVReader"), ("av", "open"),
+    ("cv2", "VideoCapture"), ("torchcodec", "VideoDecoder"), ("torchcodec", "AudioDecoder"),
+    ("imageio", "get_reader"), ("imageio", "mimread"), ("imageio", "imiter"), ("imageio", "imopen"),
+    ("imageio", "imread"), ("imageio", "improps"), ("imageio", "immeta"),  # through imopen
+    ("imageio_ffmpeg", "read_frames"), ("imageio_ffmpeg", "count_frames_and_secs"),
+    ("moviepy", "VideoFileClip"), ("moviepy", "AudioFileClip"),
 })
 # imageio's readers of one image read video too, through FFmpeg or PyAV: named when the
 # call says so (a plugin or format, or a literal file name with a video extension).
@@ -43,11 +57,14 @@ PROGRAMS = ("ffmpeg", "ffprobe")
 ISOLATED = frozenset({"swift_safe_media.isolated", "swift_safe_media.engine.calls.isolated"})
 
 
-def opener(dotted: str, call: ast.Call) -> str | None:
-    """What ``call`` (to ``dotted``, its callee's full name) opens unbounded, as named in
-    the warning; None when it is not an opener or is one ``enable()`` bounds."""
+def opener(dotted: str, call: ast.Call, in_worker: bool = True) -> str | None:
+    """What ``call`` (to ``dotted``, its callee's full name; ``in_worker``: made in a
+    DataLoader worker, not the training process) opens unbounded, as named in the
+    warning; None when it is not an opener or is one ``enable()`` bounds there."""
     parts = dotted.split(".")
     key = (parts[0], parts[-1])
+    if in_worker and key in BOUNDED_IN_WORKERS and config.get(config.BOUND_OPENERS):
+        return None
     if key in OBJECT_OPENERS:
         return dotted
     if key in MAYBE_VIDEO and _reads_video(call):
@@ -102,19 +119,27 @@ class Finding:
         reached = "" if self.function == self.entry.split(" ")[-1] else f" (reached from {self.entry})"
         return (f"swift-safe-media: {self.site} {self.function}{reached} opens media with {self.opener}, "
                 f"which enable() does not bound: a hang or crash there stalls the run with no error. "
-                f"Bound it: {how_to_bound(self.function)}")
+                f"Bound it: {how_to_bound(self.function, self.opener)}")
 
 
 # These openers read the file by its name, natively: a sandbox confined for that call's files.
 DECORATOR = "@swift_safe_media.isolated(timeout=30, confine=swift_safe_media.BY_NAME)"
 
 
-def how_to_bound(function: str) -> str:
+# A confined sandbox runs no program but ffmpeg itself (measured: ffprobe is refused): a
+# function that runs one needs an unconfined sandbox, still bounded by its timeout.
+DECORATOR_RUNNING_PROGRAMS = "@swift_safe_media.isolated(timeout=30, confine=False)"
+
+
+def how_to_bound(function: str, opener: str = "") -> str:
     """The one-line fix: the opening function run in a sandbox with a hard timeout."""
+    runs_a_program = " running " in opener or opener.startswith("ffmpeg.")
+    decorator = DECORATOR_RUNNING_PROGRAMS if runs_a_program else DECORATOR
+    unconfined = " (it runs a program: an unconfined sandbox)" if runs_a_program else ""
     if "." in function or function.startswith("<"):  # a method or a lambda: its opening moves out
-        return (f"move what opens the media into a module-level function decorated with {DECORATOR}, "
+        return (f"move what opens the media into a module-level function decorated with {decorator}{unconfined}, "
                 f"its path the first argument (arguments and result must pickle; see docs/engine.md)")
-    return (f"decorate it, {DECORATOR} above def {function}, its path the first argument "
+    return (f"decorate it, {decorator} above def {function}{unconfined}, its path the first argument "
             f"(arguments and result must pickle; see docs/engine.md)")
 
 

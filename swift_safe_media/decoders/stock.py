@@ -9,7 +9,10 @@ construction, with the sandbox's timeout, isolation and error naming. A failure 
 becomes ``MediaDecodeError`` naming the media and what stock raised (a ``RuntimeError``,
 as most stock decoders raise). Media given already decoded (an array, a list of frames)
 is handed to stock in place: there is nothing to decode. A file object is read here
-and sent as bytes. Stock opens a local file by name: each call runs in a confined
+and sent as bytes; media in memory (bytes, a file object: a WebDataset shard's member) is
+opened by no name, so it goes to the pooled confined sandboxes, and a nameless
+``io.BytesIO`` of a shard member's bytes is named as that member (:func:`shard_member`).
+Stock opens a local file by name: each call runs in a confined
 sandbox of its own that may read the call's own files (``engine.BY_NAME``); one whose
 stock runs the ffmpeg program may also run it and write in a folder of its own
 (``runs_ffmpeg``: ``engine.PROGRAMS``). A URL is fetched by stock in a download's sandbox
@@ -105,8 +108,49 @@ def _label(media) -> str | None:
     if isinstance(media, (bytes, bytearray, memoryview)):
         return f"<{len(media)} bytes>"
     if hasattr(media, "read"):
-        return str(getattr(media, "name", "") or f"<{type(media).__name__}>")
+        return str(getattr(media, "name", "") or shard_member(media) or f"<{type(media).__name__}>")
     return None
+
+
+# How many frames above the stand-in a WebDataset sample is looked for: the user's decode
+# function, the pipeline stage that called it (webdataset's ``_map``, ``Decoder.decode``).
+_SAMPLE_FRAMES = 10
+
+
+def shard_member(media) -> str | None:
+    """A nameless in-memory file made of a WebDataset-style sample's bytes
+    (``io.BytesIO(sample["flac"])`` in a ``.map``, or in a ``.decode`` handler), named as
+    the member of its shard, ``<shard>:<key>.<field>``: the sample (a dict with
+    ``__key__``, as webdataset's tar readers yield) that holds these very bytes, found in
+    the callers' frames. None where no caller holds one."""
+    if not isinstance(media, io.BytesIO):
+        return None
+    frame = None
+    try:
+        data = media.getvalue()  # the bytes it was made from (no copy while it is unchanged)
+        frame = sys._getframe(1)
+        for _ in range(_SAMPLE_FRAMES):
+            if frame is None:
+                return None
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, dict) and isinstance(value.get("__key__"), str):
+                    for field, member in value.items():
+                        if member is data or (isinstance(member, bytes) and len(member) == len(data)
+                                              and member == data):
+                            url = value.get("__url__")
+                            name = f"{value['__key__']}.{field}"
+                            return f"{url}:{name}" if isinstance(url, str) else name
+            frame = frame.f_back
+        return None
+    except Exception:  # a name is a courtesy: never a reason for the decode to fail
+        return None
+    finally:
+        del frame
+
+
+def _in_memory(media) -> bool:
+    """Media handed as bytes or a file object: stock reads it from memory, opening nothing by name."""
+    return isinstance(media, (bytes, bytearray, memoryview)) or hasattr(media, "read")
 
 
 def _sendable(value):
@@ -150,8 +194,14 @@ def in_sandbox(module: str, name: str, media=(0, "video"), runs_ffmpeg: bool = F
         kwargs = {key: _sendable(arg) for key, arg in kwargs.items()}
 
         # Stock opens the file by name: a confined sandbox of its own, which may read that file
-        # (a URL: one that may connect out instead).
-        confined = engine.NETWORK if _is_url(label) else engine.by_name(runs_ffmpeg, [label])
+        # (a URL: one that may connect out instead). Media in memory (a shard member's bytes)
+        # is opened by no name: the pooled confined sandboxes, without a sandbox per call.
+        if _is_url(label):
+            confined = engine.NETWORK
+        elif _in_memory(value) and not runs_ffmpeg:
+            confined = True
+        else:
+            confined = engine.by_name(runs_ffmpeg, [label])
         _prepare_sandboxes(module, confined, backends)
 
         def run(args, kwargs):

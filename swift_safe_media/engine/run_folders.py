@@ -1,9 +1,10 @@
 """The temporary folders a run makes, and their removal however the run ends.
 
-A training process (a rank) that enables protection makes up to three folders in the
+A training process (a rank) that enables protection makes up to five folders in the
 temporary directory: the shared zygote's socket folder (``swift-safe-media-zygote-*``),
-the run's statistics when no registry says where (``swift-safe-media-stats-*``) and the
-stall watchdog's in-flight records (``swift-safe-media-inflight-*``). Each is made by
+the run's statistics when no registry says where (``swift-safe-media-stats-*``), the
+stall watchdog's in-flight records (``swift-safe-media-inflight-*``), its workers'
+decode marks (``swift-safe-media-deadline-*``) and its sandboxes' scratch folders. Each is made by
 :func:`make`, and removed
 
 - by the process that made it, as it exits normally (at exit, or earlier by its owner);
@@ -31,7 +32,7 @@ import time
 from .. import process
 
 PREFIX = "swift-safe-media-"
-KINDS = ("zygote", "stats", "inflight", "scratch")
+KINDS = ("zygote", "stats", "inflight", "scratch", "deadline")
 # A Unix socket's path has at most 107 bytes; a long TMPDIR (a job scheduler's, a test's)
 # leaves no room, so a socket's folder then goes where it fits.
 SOCKET_NAME = "zygote.sock"

@@ -5,7 +5,8 @@ restored exactly by ``disable()``.
 The rows come in groups, each patched while what it serves is on: ``worker start`` (how
 the workers start, :mod:`..workers.start`, whenever protection is on), ``worker restart``
 (a worker killed from outside is replaced, :mod:`..workers.respawn`, whenever protection
-is on) and ``stall watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`,
+is on), ``decode deadline`` (a worker's task clears its decode marks as it ends,
+:mod:`..workers.decode_deadline`, unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``) and ``stall watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`,
 only while a stall timeout is set).
 """
 
@@ -20,6 +21,7 @@ MODULE = "torch.utils.data.dataloader"
 SCOPE = ("torch.utils.data",)
 _RESPAWN = "swift_safe_media.workers.respawn"
 _ITERATOR = "_MultiProcessingDataLoaderIter"
+_DEADLINE = "swift_safe_media.workers.decode_deadline"
 
 TARGETS = {
     "worker start": (
@@ -33,6 +35,11 @@ TARGETS = {
                f"{_RESPAWN}:error_if_a_worker_failed_for_good"),
         Target("torch.utils.data._utils.pin_memory", "_pin_memory_loop",
                "swift_safe_media.workers.queues:pin_memory_loop_handing_on_unreadable_results"),
+    ),
+    "decode deadline": (
+        Target("torch.utils.data._utils.fetch", "_MapDatasetFetcher.fetch", f"{_DEADLINE}:fetch_bounding_decodes"),
+        Target("torch.utils.data._utils.fetch", "_IterableDatasetFetcher.fetch",
+               f"{_DEADLINE}:fetch_bounding_decodes"),
     ),
     "stall watch": (
         Target(MODULE, "_BaseDataLoaderIter.__next__", "swift_safe_media.records.watchdog:next_watched"),

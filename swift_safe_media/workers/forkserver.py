@@ -201,19 +201,21 @@ def adopt_environment(changed: dict, removed: list) -> None:
 
 def environment_changes() -> tuple[dict, list]:
     """(changed, removed): how this process's environment now differs from the one the warm
-    forkserver started with (none where it is not ours)."""
+    forkserver started with."""
     base = process.current().forkserver_environment
-    if base is None:
-        return {}, []
+    if base is None:  # CPython's own, started with the environment of its moment: our settings as now
+        return ({name: value for name, value in os.environ.items() if name in config.SETTINGS},
+                [name for name in config.SETTINGS if name not in os.environ])
     return ({name: value for name, value in os.environ.items() if base.get(name) != value},
             [name for name in base if name not in os.environ])
 
 
 @contextlib.contextmanager
 def workers_see_current_environment(loader, method: str):
-    """While ``loader`` starts workers from the warm forkserver: they adopt the loader's
-    process's environment as it is now (variables set after ``enable()`` included)."""
-    if process.current().forkserver_environment is None or method != FORKSERVER or loader.num_workers <= 0:
+    """While ``loader`` starts workers from a forkserver: they adopt the loader's process's
+    environment as it is now (variables set after ``enable()`` included; our settings only,
+    from a forkserver not ours)."""
+    if method != FORKSERVER or loader.num_workers <= 0:
         yield
         return
     changed, removed = environment_changes()

@@ -12,7 +12,8 @@ PyTorch does on Linux, with one warning saying why. That choice is rows 2-5 of t
 decision in :mod:`.start_method`.
 
 Workers that do not fork have none of their parent's patches: each one bounds the
-media libraries (:mod:`..patching.media_libraries`) before the user's ``worker_init_fn`` runs.
+media libraries (:mod:`..patching.media_libraries`) and marks the media openers
+(:mod:`..patching.media_openers`) before the user's ``worker_init_fn`` runs.
 """
 
 from __future__ import annotations
@@ -37,10 +38,22 @@ class _BoundingLibraries:
             from ..patching import media_libraries as media
 
             media.enable()
+            bound_openers()
         except Exception:  # fail open: the worker runs as stock
             log.exception("swift_safe_media: could not bound the media libraries in a DataLoader worker")
         if self.init_fn is not None:
             return self.init_fn(worker_id)
+
+
+def bound_openers() -> None:
+    """Mark the media openers' calls, and clear a task's marks as it ends
+    (:mod:`.decode_deadline`), unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``."""
+    from .. import config
+    from ..patching import media_openers, torch_dataloader
+
+    if config.get(config.BOUND_OPENERS):
+        media_openers.enable()
+        torch_dataloader.patch("decode deadline")
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from .. import config
 from ..engine import faults
 from ..patching import torch_dataloader
 from ..records import summary
-from . import liveness
+from . import decode_deadline, liveness
 from .queues import UNREADABLE, SentIndices, Unreadable, release_lock_left_held
 
 log = logging.getLogger("swift_safe_media")
@@ -103,12 +103,16 @@ class Replacing:
         self.resent: set[int] = set()  # task indices sent twice: the second answer is dropped
         self.resuming = False  # inside _reset's wait for every worker's _ResumeIteration
         self.replaced = self.unreadable = 0  # workers replaced; their results that could not be read
+        from torch.utils.data.dataloader import _DatasetKind
+
+        self.iterable = iterator._dataset_kind == _DatasetKind.Iterable
+        self.deadlines = decode_deadline.deadlines()  # the user's decodes in its workers, bounded
+        self.deadline_kills: set[int] = set()  # pids killed at a hung decode (decode_deadline)
+        self.hung: dict[int, tuple] = {}  # task index: the decode_deadline.Hung notes it is sent again with
 
     def verdict(self, iterator, worker_id: int, signal_number: int | None) -> str | None:
         """Why worker ``worker_id`` (killed by ``signal_number``; None: exit status unknown)
         is a machine fault that may be replaced; None if torch's rule stands (logged)."""
-        from torch.utils.data.dataloader import _DatasetKind
-
         worker = iterator._workers[worker_id]
         how = _how_it_died(-signal_number if signal_number else None)
         what = f"DataLoader worker {worker_id} (pid {worker.pid}) {how}"
@@ -123,7 +127,7 @@ class Replacing:
             if fault != faults.MACHINE:
                 log.warning("swift_safe_media: %s, a crash of its own; not replaced (torch's rule)", what)
                 return None
-        if iterator._dataset_kind == _DatasetKind.Iterable:
+        if self.iterable:
             _say_once("iterable", logging.WARNING, "swift_safe_media: %s (%s); not replaced: a new worker "
                       "cannot resume an IterableDataset's stream, so torch's rule stands", what, why)
             return None
@@ -136,8 +140,10 @@ class Replacing:
             return None
         return why
 
-    def replace(self, iterator, worker_id: int, why: str) -> None:
-        """Start worker ``worker_id``'s replacement and send it the dead one's tasks."""
+    def replace(self, iterator, worker_id: int, why: str, hung=None) -> None:
+        """Start worker ``worker_id``'s replacement and send it the dead one's tasks (a worker
+        killed at a hung decode, ``hung``, is not counted against the bound: the data's, and
+        its task is sent again with a note that ends it, so it cannot recur)."""
         from torch.utils.data import _utils
 
         dead = iterator._workers[worker_id]
@@ -156,7 +162,7 @@ class Replacing:
                 if attempt == 2:
                     raise
         liveness.outlives_its_forkserver(worker)
-        self.left -= 1
+        self.left -= hung is None
         self.replaced += 1
         resend = SentIndices(queue, iterator)
         if self.resuming:
@@ -164,7 +170,7 @@ class Replacing:
         samples = 0
         for task, index in getattr(old_queue, "pending", ()):
             if len(iterator._task_info.get(task, ())) == 1:  # still outstanding on the dead worker
-                resend.put((task, index))
+                resend.put((task, decode_deadline.Retried(index, self.hung[task]) if task in self.hung else index))
                 self.resent.add(task)
                 samples += len(index) if isinstance(index, (list, tuple)) else 1
         iterator._workers[worker_id] = worker
@@ -183,10 +189,14 @@ class Replacing:
             atexit.register(type(iterator)._clean_up_worker, worker)
         _utils.signal_handling._remove_worker_pids(id(iterator))
         _utils.signal_handling._set_worker_pids(id(iterator), tuple(w.pid for w in iterator._workers))
-        log.warning("swift_safe_media: DataLoader worker %d (pid %d) %s (%s), a machine fault, not the data's; "
-                    "replaced by pid %d, %d samples sent to it again (%d of %d replacements left)", worker_id,
-                    dead.pid, _how_it_died(dead.exitcode), why, worker.pid, samples, self.left,
-                    self.left + self.replaced)
+        if hung is not None:
+            log.warning("swift_safe_media: %s: %s; replaced by pid %d, %d samples sent to it again, where this "
+                        "decode raises MediaDecodeTimeout", hung.media, why, worker.pid, samples)
+        else:
+            log.warning("swift_safe_media: DataLoader worker %d (pid %d) %s (%s), a machine fault, not the data's; "
+                        "replaced by pid %d, %d samples sent to it again (%d of %d replacements left)", worker_id,
+                        dead.pid, _how_it_died(dead.exitcode), why, worker.pid, samples, self.left,
+                        self.left + self.replaced)
         recorder = summary.recorder()
         if recorder is not None:
             recorder.note_worker_replaced()
@@ -207,9 +217,9 @@ class Replacing:
             return False
         return all(self.replace_failing_open(iterator, worker_id, why) for worker_id, why in verdicts.items())
 
-    def replace_failing_open(self, iterator, worker_id: int, why: str) -> bool:
+    def replace_failing_open(self, iterator, worker_id: int, why: str, hung=None) -> bool:
         try:
-            self.replace(iterator, worker_id, why)
+            self.replace(iterator, worker_id, why, hung)
             return True
         except Exception:  # torch's own error stands
             log.exception("swift_safe_media: could not replace DataLoader worker %d", worker_id)
@@ -326,9 +336,14 @@ def get_data_replacing_workers(original, iterator, timeout=None):
                 why = state.verdict(iterator, worker_id, _killed_by(worker))
                 if why is not None:
                     state.replace_failing_open(iterator, worker_id, why)  # else torch finds it dead
+        wait = max(0.0, deadline - time.monotonic())
+        if state.deadlines is not None:  # looks at the workers' decodes every REWRITE_AFTER_S
+            if state.deadlines.anything_marked():
+                decode_deadline.end_overdue(iterator, state, state.deadlines)  # raises for a stream's hung decode
+            wait = min(wait, decode_deadline.REWRITE_AFTER_S)
         was_active = list(iterator._workers_status)
         try:
-            got, data = _read(original(iterator, max(0.0, deadline - time.monotonic())))
+            got, data = _read(original(iterator, wait))
         except RuntimeError:
             if not state.replace_dead(iterator, was_active):
                 raise
@@ -340,7 +355,7 @@ def get_data_replacing_workers(original, iterator, timeout=None):
         else:
             if not got and state.replaced:  # nothing for a while: a lock held there since a kill?
                 state.free_result_queue(iterator)
-            if not (got and state.replaced and state.stale(iterator, data)):
+            if got and not (state.replaced and state.stale(iterator, data)):
                 return got, data
         if time.monotonic() >= deadline:
             return False, None
@@ -369,6 +384,9 @@ def error_if_a_worker_failed_for_good():
 def _note_killed(iterator, state) -> None:
     for worker_id, worker in enumerate(iterator._workers):
         if not iterator._workers_status[worker_id] or worker_id in state.killed or worker.pid is None:
+            continue
+        if worker.pid in state.deadline_kills:  # killed at a hung decode: reaped, replaced by end_overdue
+            worker._popen.poll(os.WNOHANG)
             continue
         try:
             info = os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)

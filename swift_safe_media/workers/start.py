@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from .. import config
-from . import plain as plain_workers, forkserver as warm_start, start_method
+from . import decode_deadline, plain as plain_workers, forkserver as warm_start, start_method
 from ..patching import torch_dataloader
 
 log = logging.getLogger("swift_safe_media")
@@ -27,11 +27,16 @@ def install() -> None:
     """Decide how the workers of every DataLoader of this process start (from now, or
     once torch's DataLoader is imported), through the table of torch's targets."""
     torch_dataloader.patch("worker start")
+    plain_workers.bound_openers()  # here too: a forked worker keeps its parent's patches
 
 
 def uninstall() -> None:
-    """DataLoader's ``_get_iterator`` is torch's own again."""
+    """DataLoader's ``_get_iterator`` is torch's own again, the openers stock."""
+    from ..patching import media_openers
+
     torch_dataloader.unpatch("worker start")
+    torch_dataloader.unpatch("decode deadline")
+    media_openers.disable()
 
 
 def get_iterator_deciding_start(stock_get_iterator, self):
@@ -42,6 +47,7 @@ def get_iterator_deciding_start(stock_get_iterator, self):
             decision = start_method.decide(start_method.StartInputs(self))
             start_method.apply(self, decision)
             method = decision.method
+            decode_deadline.prepare_folder()  # before the workers start: they find it in the environment
     except Exception:  # a check must never stop the DataLoader itself
         log.debug("swift_safe_media: worker start checks skipped", exc_info=True)
     with (warm_start.workers_see_current_environment(self, method),
