@@ -138,12 +138,16 @@ ENGINE_CLAIMS = {
                       "what is not",
         "tests": ["tests/test_coverage.py::test_a_plain_pytorch_script_is_protected"],
     },
-    "Your `__getitem__` catches it and skips the sample as for any decode error, or wrap the dataset: "
+    "Your `__getitem__` catches it and skips the sample as for any decode error (one you let through reaches your "
+    "training loop as the `MediaDecodeError` itself, with `.path`, the worker's traceback as a note; stock torch "
+    "would make it a `RuntimeError` of its text), or wrap the dataset: "
     "`ssm.skip_bad_samples(dataset)` replaces a sample whose decode raises `MediaDecodeError` by another one chosen "
     "from its index alone (the same on every rank and worker; the epoch keeps its length), with one log line naming "
     "the file.": {
         "exceptions": "none: the substitute is a function of the index alone, so it is the same wherever it runs",
-        "tests": ["tests/test_own_decoders_bounded.py::test_skip_bad_samples_replaces_the_sample_the_same_way_everywhere"],
+        "tests": ["tests/test_own_decoders_bounded.py::test_skip_bad_samples_replaces_the_sample_the_same_way_everywhere",
+                  "tests/test_own_decoders_bounded.py::"
+                  "test_an_error_the_dataset_lets_through_reaches_the_training_loop_as_itself"],
     },
     "Nothing here confines the decode: a hostile file can reach what the worker can; "
     "`@ssm.isolated(confine=ssm.BY_NAME)` confines.": {

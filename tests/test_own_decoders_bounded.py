@@ -32,9 +32,10 @@ LIBRARIES = ("decord", "av", "cv2", "torchcodec", "imageio", "moviepy", "gil")
 BAD = {"decord": "playlist.mp4", "av": "fifo.wav", "cv2": "fifo.mp4", "torchcodec": "playlist.mp4",
        "imageio": "fifo.mp4", "moviepy": "fifo.mp4", "gil": "gil.mp4"}
 # Cases per protected run; the runs go side by side (most of each is a hang's wait).
-PROTECTED = (("decord", "av", "cv2", "fork"), ("torchcodec", "imageio", "gil", "in_trainer"),
+PROTECTED = (("decord", "av", "cv2", "fork"), ("torchcodec", "imageio", "gil", "in_trainer", "raised"),
              ("moviepy", "skip_wrapper", "stream", "two_epochs", "valid"))
 RUN_BOUND_S = 400
+SLOW_TIMEOUT = {"moviepy": 15}  # as tests/programs/own_decoders.py gives it
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +95,10 @@ def test_a_hang_in_a_workers_own_decode_is_ended_named_and_skipped(runs, media, 
     # files: valid0, valid1, bad, valid0, valid1, valid0 -- every valid sample is stock's
     assert result["items"] == [valid[0], valid[1], -1, valid[0], valid[1], valid[0]], result
     [skip] = result["skipped"]
+    timeout = f"{SLOW_TIMEOUT.get(library, 5):g} s timeout"
     assert skip["skipped"] == 2 and skip["type"] == "MediaDecodeTimeout", skip
-    assert skip["error"].startswith(f"{bad}: ") and "overran its 5 s timeout" in skip["error"], skip
-    assert re.search(rf"{re.escape(bad)}: \S+ overran its 5 s timeout.* killed; replaced by pid \d+", stderr), \
+    assert skip["error"].startswith(f"{bad}: ") and f"overran its {timeout}" in skip["error"], skip
+    assert re.search(rf"{re.escape(bad)}: \S+ overran its {timeout}.* killed; replaced by pid \d+", stderr), \
         stderr[-3000:]
 
 
@@ -142,6 +144,18 @@ def test_with_a_registry_the_next_epoch_refuses_the_file_at_once(runs, media):
     kinds = [skip["type"] for skip in result["skipped"]]
     assert kinds == ["MediaDecodeTimeout", "MediaQuarantined"], result  # no second wait, no second kill
     assert os.listdir(os.path.join(media, "registry", "quarantine.jsonl.d"))
+
+
+@pytest.mark.timeout(RUN_BOUND_S + 60)
+def test_an_error_the_dataset_lets_through_reaches_the_training_loop_as_itself(runs, media):
+    """torch rebuilds a worker's exception from its text alone (a MediaDecodeError became a plain
+    RuntimeError); protected, the loop gets the MediaDecodeTimeout, its path, the worker's traceback."""
+    result = runs[0]["raised"]
+    [error] = result["errors"]
+    assert error["type"] == "MediaDecodeTimeout" and error["runtime_error"], result
+    assert error["path"] == os.path.join(media, "playlist.mp4"), result
+    assert "in DataLoader worker process" in error["notes"] and "Traceback" in error["notes"], error
+    assert result["items"] == [result["items"][0], result["items"][1]], result  # the first batch came through
 
 
 @pytest.mark.timeout(RUN_BOUND_S + 60)

@@ -6,7 +6,9 @@ The rows come in groups, each patched while what it serves is on: ``worker start
 the workers start, :mod:`..workers.start`, whenever protection is on), ``worker restart``
 (a worker killed from outside is replaced, :mod:`..workers.respawn`, whenever protection
 is on), ``decode deadline`` (a worker's task clears its decode marks as it ends,
-:mod:`..workers.decode_deadline`, unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``) and ``stall watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`,
+:mod:`..workers.decode_deadline`, unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``), ``typed errors``
+(a worker's ``MediaDecodeError`` reaches the trainer as itself, :mod:`..workers.typed_errors`,
+whenever protection is on) and ``stall watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`,
 only while a stall timeout is set).
 """
 
@@ -18,10 +20,11 @@ from . import import_hooks
 from .targets import Patches, Target
 
 MODULE = "torch.utils.data.dataloader"
-SCOPE = ("torch.utils.data",)
+SCOPE = ("torch.utils.data", "torch._utils")
 _RESPAWN = "swift_safe_media.workers.respawn"
 _ITERATOR = "_MultiProcessingDataLoaderIter"
 _DEADLINE = "swift_safe_media.workers.decode_deadline"
+_ERRORS = "swift_safe_media.workers.typed_errors"
 
 TARGETS = {
     "worker start": (
@@ -40,6 +43,10 @@ TARGETS = {
         Target("torch.utils.data._utils.fetch", "_MapDatasetFetcher.fetch", f"{_DEADLINE}:fetch_bounding_decodes"),
         Target("torch.utils.data._utils.fetch", "_IterableDatasetFetcher.fetch",
                f"{_DEADLINE}:fetch_bounding_decodes"),
+    ),
+    "typed errors": (
+        Target("torch._utils", "ExceptionWrapper.__init__", f"{_ERRORS}:wrapper_keeping_media_errors"),
+        Target("torch._utils", "ExceptionWrapper.reraise", f"{_ERRORS}:reraise_media_errors"),
     ),
     "stall watch": (
         Target(MODULE, "_BaseDataLoaderIter.__next__", "swift_safe_media.records.watchdog:next_watched"),

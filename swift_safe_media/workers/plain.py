@@ -38,19 +38,21 @@ class _BoundingLibraries:
             from ..patching import media_libraries as media
 
             media.enable()
-            bound_openers()
+            patch_workers_tasks()
         except Exception:  # fail open: the worker runs as stock
             log.exception("swift_safe_media: could not bound the media libraries in a DataLoader worker")
         if self.init_fn is not None:
             return self.init_fn(worker_id)
 
 
-def bound_openers() -> None:
-    """Mark the media openers' calls, and clear a task's marks as it ends
-    (:mod:`.decode_deadline`), unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``."""
+def patch_workers_tasks() -> None:
+    """What a worker's tasks need patched: a ``MediaDecodeError`` reaches the trainer as
+    itself (:mod:`.typed_errors`); the media openers' calls are marked and a task's marks
+    cleared as it ends (:mod:`.decode_deadline`), unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``."""
     from .. import config
     from ..patching import media_openers, torch_dataloader
 
+    torch_dataloader.patch("typed errors")  # whatever the switch: a MediaDecodeError reaches the trainer as itself
     if config.get(config.BOUND_OPENERS):
         media_openers.enable()
         torch_dataloader.patch("decode deadline")

@@ -27,7 +27,7 @@ def install() -> None:
     """Decide how the workers of every DataLoader of this process start (from now, or
     once torch's DataLoader is imported), through the table of torch's targets."""
     torch_dataloader.patch("worker start")
-    plain_workers.bound_openers()  # here too: a forked worker keeps its parent's patches
+    plain_workers.patch_workers_tasks()  # here too: a forked worker keeps its parent's patches
 
 
 def uninstall() -> None:
@@ -36,6 +36,7 @@ def uninstall() -> None:
 
     torch_dataloader.unpatch("worker start")
     torch_dataloader.unpatch("decode deadline")
+    torch_dataloader.unpatch("typed errors")
     media_openers.disable()
 
 

@@ -20,6 +20,8 @@ import zlib
 
 PROTECT = sys.argv[2] == "protect"
 TIMEOUT = 5.0  # generous: a valid decode on a busy 2-core machine (ffmpeg programs included) fits
+# moviepy probes and reads through ffmpeg programs, whose wait for a CPU a worker's clock does not count.
+SLOW_TIMEOUT = {"moviepy": 15.0}
 STOCK_TIMEOUT = 6  # DataLoader(timeout=) in stock: a hang ends as torch's error
 if PROTECT:
     import swift_safe_media
@@ -156,7 +158,15 @@ def loader(dataset, hangs: bool = True, **options):
 def run(case: str) -> dict:
     items, errors = [], []
     if case in READERS:
-        items = [int(x) for batch in loader(Clips(case, files_for(case)), batch_size=2) for x in batch]
+        if PROTECT and case in SLOW_TIMEOUT:  # its valid decodes wait on ffmpeg programs, slow on a busy machine
+            import swift_safe_media
+
+            swift_safe_media.enable(timeout=SLOW_TIMEOUT[case])
+        try:
+            items = [int(x) for batch in loader(Clips(case, files_for(case)), batch_size=2) for x in batch]
+        finally:
+            if PROTECT and case in SLOW_TIMEOUT:
+                swift_safe_media.enable(timeout=TIMEOUT)
     elif case == "valid":  # every reader on valid files only: stock's checksums
         for reader in READERS:
             if reader != "gil":
@@ -188,6 +198,14 @@ def run(case: str) -> dict:
             started = time.monotonic()
             items.append([int(x) for batch in batches for x in batch])
             errors.append(round(time.monotonic() - started, 2))
+    elif case == "raised":  # no skipping in the dataset: what reaches the training loop
+        try:
+            for batch in loader(Unskipped("decord", files_for("decord")), batch_size=2):
+                items += [int(x) for x in batch]
+        except Exception as error:  # noqa: BLE001 -- the training loop's view
+            errors.append({"type": type(error).__name__, "path": getattr(error, "path", None),
+                           "runtime_error": isinstance(error, RuntimeError),
+                           "notes": "\n".join(getattr(error, "__notes__", []))[:2000]})
     elif case == "in_trainer":
         items = [int(x) for batch in DataLoader(Clips("decord", VIDEOS), batch_size=2) for x in batch]
     return {"case": case, "items": items, "errors": errors}
