@@ -156,7 +156,7 @@ def _role(pid: int, root: int, forkservers: set) -> str:
         return comm[4:]
     if "resource_tracker" in cmdline:
         return "helper"
-    if "multiprocessing.forkserver" in cmdline and parent not in forkservers:
+    if comm == "ssm-forkserver" or ("multiprocessing.forkserver" in cmdline and parent not in forkservers):
         forkservers.add(pid)
         return "forkserver"
     return "worker"

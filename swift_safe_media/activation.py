@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from . import config
+from . import config, process
 from .patching import host_adapters as integrations
 from .engine import run_folders, sandbox
 from .patching import import_hooks as _imports
@@ -104,14 +104,21 @@ def is_enabled() -> bool:
     return bool(integrations.enabled_hosts())
 
 
+_flags_watched: set[str] = set()  # hosts whose flag modules are watched (import hooks live for the process too)
+
+
 def on_host_imported(host: str) -> None:
     """Called by the start-up hook (``_swift_safe_media_startup``) as a host package
     begins importing: its flags parse from now on, and ``SWIFT_SAFE_MEDIA=1`` turns
     protection on for it."""
     adapter = integrations.adapter_for(host)
-    for module_name in adapter.FLAG_MODULES:
-        _imports.when_imported(module_name, lambda _module: adapter.register_flags())
+    if host not in _flags_watched:  # a forkserver forked from this process sees the host begin again
+        _flags_watched.add(host)
+        for module_name in adapter.FLAG_MODULES:
+            _imports.when_imported(module_name, lambda _module: adapter.register_flags())
     state = config.enabled_by_environment()
+    if adapter.is_launcher():
+        process.current().dataloader_workers_expected = False  # its child runs them
     if state:
         if _starts_runs():
             enable(hosts=[host])  # the run's stats folder, the watchdog
@@ -119,7 +126,10 @@ def on_host_imported(host: str) -> None:
             integrations.enable_hosts([host])
     elif state is None and adapter.command_line_asks_for_protection() and _starts_runs():
         from .checks import preflight
+        from .workers import forkserver as warm_start
 
+        if not adapter.is_launcher():
+            warm_start.fork_ahead()  # while this process has one thread (the host's imports start some)
         preflight.require([host])  # now, not after the host's imports: protection that cannot work stops at once
 
 

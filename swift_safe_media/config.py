@@ -145,6 +145,10 @@ MP_CONTEXT = _declare("SWIFT_SAFE_MEDIA_MP_CONTEXT", CHOICE, "forkserver",
 WARM_START = _declare("SWIFT_SAFE_MEDIA_WARM_START", SWITCH, True,
                       "`enable()` starts the warm forkserver and the rank's shared zygote in the background; "
                       "`0`: each process starts its own zygote at its first decode")
+FORKSERVER_FROM_TRAINER = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER", SWITCH, True,
+                                   "the warm forkserver is forked from the trainer, sharing its torch, where "
+                                   "protection is asked for while the trainer has one thread (see "
+                                   "workers/forked_forkserver.py); `0`: started by exec")
 WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
                           "more modules the warm forkserver imports for DataLoader workers")
 # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so

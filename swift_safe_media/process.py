@@ -44,6 +44,7 @@ class ProcessState:
     # ours): what it forks starts with that, not with this process's environment of the
     # moment (CPython's rule), so workers are brought up to date (warm_start)
     forkserver_environment: dict | None = None
+    forkserver_template: object = None  # forked_forkserver.Template, forked ahead, not yet the forkserver
     forkserver_preload_before: list | None = None  # CPython's forkserver preload before ours (warm_start.withdraw)
     # transport.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
     recycled_buffers: object = None
@@ -84,8 +85,19 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # What a zygote and a sandbox call themselves in /proc/<pid>/comm (ps, top, the watchdog's
 # report): forked from the warm forkserver, they have its command line.
 ZYGOTE_NAME, SANDBOX_NAME = "ssm-zygote", "ssm-sandbox"
+# A warm forkserver forked from the trainer has the trainer's command line: it goes by this
+# name, and what it forks by the trainer's again.
+FORKSERVER_NAME = "ssm-forkserver"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+
+
+def name() -> str:
+    try:
+        with open("/proc/self/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
 
 
 def set_name(name: str) -> None:

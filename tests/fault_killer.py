@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from swift_safe_media.process import SANDBOX_NAME, ZYGOTE_NAME
+from swift_safe_media.process import FORKSERVER_NAME, SANDBOX_NAME, ZYGOTE_NAME
 
 from .proc_table import descendants as proc_descendants, process_table
 
@@ -15,12 +15,12 @@ def descendants(root: int) -> dict[int, tuple[str, str]]:
     """pid -> (what it is: sandbox, zygote, forkserver, worker or other; its state) for every
     living process under ``root``."""
     table = process_table()
-    kinds = {pid: {SANDBOX_NAME: "sandbox", ZYGOTE_NAME: "zygote"}.get(row.name) or
+    kinds = {pid: {SANDBOX_NAME: "sandbox", ZYGOTE_NAME: "zygote", FORKSERVER_NAME: "forkserver"}.get(row.name) or
              ("forkserver" if "multiprocessing.forkserver" in row.command else "other")
              for pid, row in table.items()}
     for pid, row in table.items():
         # What a forkserver forks (DataLoader workers) has its command line too.
-        if kinds[pid] == "forkserver" and kinds.get(row.parent) == "forkserver":
+        if kinds[pid] in ("forkserver", "other") and kinds.get(row.parent) == "forkserver":
             kinds[pid] = "worker"
     return {pid: (kinds[pid], row.state) for pid, row in proc_descendants(table, root, living=True).items()}
 

@@ -45,3 +45,28 @@ def descendants(table: dict[int, Process], root: int, living: bool = False) -> d
                 found[pid] = row
                 frontier.append(pid)
     return found
+
+
+def forkservers(seen: dict[int, Process]) -> set[int]:
+    """The warm forkservers among ``seen``: exec'd (CPython's command line) or forked from
+    the trainer where it had one thread (named so: it has the trainer's command line)."""
+    from swift_safe_media.process import FORKSERVER_NAME
+
+    return {pid for pid, row in seen.items() if row.name == FORKSERVER_NAME
+            or ("multiprocessing.forkserver" in row.command and "multiprocessing.forkserver" not in
+                getattr(seen.get(row.parent), "command", ""))}
+
+
+def trainer_copies(seen: dict[int, Process], command: str, sightings: dict[int, int] | None = None) -> list[str]:
+    """Processes with the trainer's command line (``command`` in it) forked by the trainer's
+    own code: not the warm forkserver forked from it nor anything descending from it; with
+    ``sightings``, only those seen more than 3 times (a fork about to exec a helper keeps
+    the trainer's command line for a moment)."""
+    clean = forkservers(seen)  # and all they fork, and all that forks, ...
+    grew = True
+    while grew:
+        more = {pid for pid, row in seen.items() if row.parent in clean} - clean
+        clean |= more
+        grew = bool(more)
+    return [row.command for pid, row in seen.items() if command in row.command and pid not in clean
+            and (sightings is None or sightings.get(pid, 0) > 3)]

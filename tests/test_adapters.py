@@ -69,6 +69,7 @@ def test_an_adapter_gets_a_no_op_default_for_each_optional_hook():
     assert adapter.FLAG_MODULES == adapter.WORKER_PRELOAD == ()
     assert adapter.register_flags() is None and adapter.worker_start_method(object()) is None
     assert adapter.command_line_asks_for_protection() is False and adapter.unsupported() is None
+    assert adapter.is_launcher() is False
     assert set(integrations.OPTIONAL) <= set(dir(integrations.HostAdapter))
 
 
@@ -93,3 +94,27 @@ def test_the_start_up_hook_watches_every_host_folder():
     assignment = next(node for node in ast.parse(hook.read_text()).body
                       if isinstance(node, ast.Assign) and node.targets[0].id == "_HOSTS")
     assert sorted(ast.literal_eval(assignment.value)) == integrations.known_hosts()
+
+
+def test_the_command_lines_that_ask_for_protection_before_the_host_parses_them(tmp_path):
+    """Read as a host begins importing (the warm forkserver is forked there, while the
+    trainer has one thread): LeRobot's flags, and LLaMA-Factory's YAML and overrides."""
+    from swift_safe_media.hosts import flags
+
+    assert flags.asks_for_protection(["--policy.type=act", "--safe_media=true"])
+    assert flags.asks_for_protection(["--safe_media", "true", "--steps=2"])
+    assert flags.asks_for_protection(["--safe_media"])  # bare: true
+    assert not flags.asks_for_protection(["--safe_media=false"])
+    assert not flags.asks_for_protection(["--safe_media=maybe"])  # the host's parser reports it
+    assert not flags.asks_for_protection(["--steps=2"])
+    on, off, nested = tmp_path / "on.yaml", tmp_path / "off.yaml", tmp_path / "nested.yaml"
+    on.write_text("model_name_or_path: x\nsafe_media: true  # protected\n")
+    off.write_text("safe_media: false\n")
+    nested.write_text("extra:\n  safe_media: true\n")
+    assert flags.config_file_asks_for_protection([str(on)])
+    assert not flags.config_file_asks_for_protection([str(off)])
+    assert not flags.config_file_asks_for_protection([str(nested)])  # only a top-level key
+    assert flags.config_file_asks_for_protection([str(off), "safe_media=true"])  # the override wins
+    assert not flags.config_file_asks_for_protection([str(on), "safe_media=false"])
+    assert flags.config_file_asks_for_protection(["--safe_media", "true"])
+    assert not flags.config_file_asks_for_protection([str(tmp_path / "missing.yaml")])

@@ -24,7 +24,7 @@ import pytest
 
 from swift_safe_media.records import quarantine
 
-from .proc_table import descendants, process_table
+from .proc_table import descendants, forkservers, process_table, trainer_copies
 
 REPO = Path(__file__).resolve().parent.parent
 LEROBOT_VENV = REPO / ".venv-lerobot"
@@ -125,10 +125,11 @@ def left_behind(seen, grace: float = 10.0) -> list[str]:
 
 def dataloader_workers(run) -> tuple[list[str], list[str]]:
     """(spawned workers, forked copies of the trainer) among the trainer's descendants."""
-    spawned = [row[2] for row in run["seen"].values() if "spawn_main" in row[2] or "forkserver" in row[2]]
+    servers = forkservers(run["seen"])
+    spawned = [row[2] for pid, row in run["seen"].items()
+               if "spawn_main" in row[2] or pid in servers or row.parent in servers]
     # A forked worker keeps the trainer's command line: python .../bin/lerobot-train ...
-    forked = [row[2] for row in run["seen"].values() if str(LEROBOT_TRAIN) in row[2]]
-    return spawned, forked
+    return spawned, trainer_copies(run["seen"], str(LEROBOT_TRAIN))
 
 
 def assert_every_bad_file_named(output: str, bad: dict) -> None:

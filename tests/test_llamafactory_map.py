@@ -11,7 +11,10 @@ import subprocess
 
 import pytest
 
+from swift_safe_media.process import FORKSERVER_NAME
+
 from . import llamafactory_scenario as scenario
+from .proc_table import forkservers, trainer_copies
 from .test_lerobot_train import left_behind
 from .test_llamafactory_train import CLI, REPO, TIMEOUT_S, VENV, bad_files, built, steps_done, train  # noqa: F401
 
@@ -21,13 +24,13 @@ WARM = "swift_safe_media: LLaMA-Factory's preprocessing map processes use the 'f
 
 
 def forked_trainers(run) -> list[str]:
-    """Copies of the trainer (its command line) that lived a while: forks, not exec'd helpers."""
-    return [row[2] for pid, row in run["seen"].items() if str(CLI) in row[2] and run["sightings"][pid] > 3]
+    """Copies of the trainer forked by its own code that lived a while (proc_table)."""
+    return trainer_copies(run["seen"], str(CLI), run["sightings"])
 
 
 def forkserver_children(run) -> list[str]:
-    servers = {pid for pid, row in run["seen"].items() if "multiprocessing.forkserver" in row[2]}
-    return [row[2] for row in run["seen"].values() if row[0] in servers]
+    servers = forkservers(run["seen"])
+    return [row.command for row in run["seen"].values() if row.parent in servers]
 
 
 def protected_map_run(built, tmp_path, name: str, env=None) -> dict:
@@ -60,6 +63,9 @@ def test_map_processes_start_from_the_warm_forkserver_and_make_stocks_dataset(bu
     warm = protected_map_run(built, tmp_path, "warm")
     assert WARM in warm["output"], warm["output"][-4000:]
     assert not forked_trainers(warm), forked_trainers(warm)
+    # The YAML's `safe_media: true`, read as LLaMA-Factory began importing: the warm forkserver
+    # is a fork of the trainer from then (it shares its torch), named so.
+    assert {warm["seen"][pid].name for pid in forkservers(warm["seen"])} == {FORKSERVER_NAME}
     # The zygote, the map's two processes and its queue's manager, two DataLoader workers.
     assert len(forkserver_children(warm)) >= 6, forkserver_children(warm)
 

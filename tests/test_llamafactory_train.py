@@ -25,6 +25,7 @@ import pytest
 from swift_safe_media.records import quarantine
 
 from . import llamafactory_scenario as scenario
+from .proc_table import trainer_copies
 from .test_lerobot_train import left_behind, run_train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,8 +80,7 @@ def test_protected_llamafactory_train_drops_every_bad_row_and_names_it(built, tm
     # The workers come from the warm forkserver (the Omni collator's model travels as a meta
     # copy), not from forking the trainer; nothing of the run outlives it.
     assert "swift_safe_media: DataLoader workers use the 'forkserver' start method" in output, output[-4000:]
-    # (A fork that is about to exec a helper keeps the trainer's command line for a moment.)
-    forked = [row[2] for pid, row in run["seen"].items() if str(CLI) in row[2] and run["sightings"][pid] > 3]
+    forked = trainer_copies(run["seen"], str(CLI), run["sightings"])
     assert not forked, forked
     assert not left_behind(run["seen"])
 

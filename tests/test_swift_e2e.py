@@ -59,11 +59,16 @@ def test_with_the_flag_the_run_finishes_names_quarantines_and_counts_each_bad_cl
     args = scenario.sft_args(built, str(tmp_path / "out")) + [
         "--safe_media", "true", "--safe_media_timeout", "5",
         "--safe_media_stall_timeout", "300", "--safe_media_stall_action", "log"]
-    code, elapsed, log = scenario.run_sft(args, timeout=RUN_TIMEOUT, log_path=str(tmp_path / "sft.log"))
+    code, elapsed, log = scenario.run_sft(args, timeout=RUN_TIMEOUT, log_path=str(tmp_path / "sft.log"),
+                                          env={"SWIFT_SAFE_MEDIA_LOG_LEVEL": "DEBUG"})
     print(f"protected swift sft: {elapsed:.1f} s")
     # LazyLLMDataset resamples a failed row: the epoch keeps one step per row.
     assert_protected_run(code, log, planned=ROWS)
     assert "dataloader_multiprocessing_context=forkserver" in log  # workers come from the warm forkserver
+    # Forked from the training process as ms-swift began importing, while it had one thread;
+    # not in the `swift` command, which runs the training script in a child.
+    forks = re.findall(r"template of the warm forkserver forked \(pid \d+, the trainer had (\d+) thread\)", log)
+    assert forks == ["1"], log[-4000:]
     folder = scenario.run_folder(str(tmp_path / "out"))
     assert_registry_and_summary(folder, log, steps=ROWS)
     assert os.listdir(folder / "swift_safe_media_stats")  # the stats sit next to the registry

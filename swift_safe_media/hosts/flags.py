@@ -11,6 +11,7 @@ writes them (flag > environment > default) and switches protection on or off.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from .. import config
@@ -143,3 +144,37 @@ def apply(values: dict, host: str) -> None:
         activation.enable(hosts=[host])
     elif enabled is False:
         activation.disable()
+
+
+def asks_for_protection(argv: list[str]) -> bool:
+    """Whether a command line says ``--safe_media`` (true), as the hosts' start-up hook
+    reads it before the host parses anything. A malformed flag: False (the host's parser
+    reports it)."""
+    try:
+        values, _ = take_flags(argv)
+    except ValueError:
+        return False
+    return values.get(ENABLED) is True
+
+
+_CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def config_file_asks_for_protection(argv: list[str]) -> bool:
+    """Whether a LLaMA-Factory-style command line (``train run.yaml [key=value ...]``)
+    turns protection on: a ``safe_media=true`` override, or a top-level ``safe_media:
+    true`` line in the YAML file it names (read as text: no YAML parser at this point)."""
+    overrides = dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith("-"))
+    if "safe_media" in overrides:
+        return overrides["safe_media"].strip().lower() in config.TRUE_WORDS
+    for arg in argv:
+        if arg.endswith(_CONFIG_SUFFIXES) and os.path.isfile(arg):
+            try:
+                with open(arg, encoding="utf-8") as text:
+                    for line in text:
+                        key, colon, value = line.partition(":")
+                        if colon and key == "safe_media":
+                            return value.split("#", 1)[0].strip().strip("'\"").lower() in config.TRUE_WORDS
+            except (OSError, UnicodeDecodeError):
+                return False
+    return asks_for_protection(argv)

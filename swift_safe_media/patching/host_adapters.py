@@ -114,6 +114,11 @@ class HostAdapter:
         checked as the host starts importing."""
         return False
 
+    def is_launcher(self) -> bool:
+        """True in a process that only starts the run's processes (ms-swift's ``swift sft``
+        runs its training script in a child): it gets no warm forkserver."""
+        return False
+
     def unsupported(self) -> str | None:
         """Why the installed version, inside SUPPORTED, cannot be patched (its layout is
         none the adapter declares), or None. Either way it is left untouched, with one warning."""
@@ -123,7 +128,7 @@ class HostAdapter:
 REQUIRED = ("HOST", "DISTRIBUTION", "SUPPORTED", "TRIGGER_MODULES", "get_version", "patch", "unpatch",
             "is_patched")
 OPTIONAL = ("FLAG_MODULES", "register_flags", "WORKER_PRELOAD", "worker_start_method",
-            "command_line_asks_for_protection", "unsupported")
+            "command_line_asks_for_protection", "is_launcher", "unsupported")
 
 
 class ModuleAdapter(HostAdapter):

@@ -145,8 +145,10 @@ def _describe(pid: int) -> str:
     if text is None:
         return "gone"
     name = _comm(pid)  # zygotes and sandboxes forked from the warm forkserver share its command line
-    if name in (process.ZYGOTE_NAME, process.SANDBOX_NAME):
-        return "zygote" if name == process.ZYGOTE_NAME else "sandbox"
+    if name in (process.ZYGOTE_NAME, process.SANDBOX_NAME, process.FORKSERVER_NAME):
+        return {process.ZYGOTE_NAME: "zygote", process.SANDBOX_NAME: "sandbox"}.get(name, "forkserver")
+    if _comm(_parent_of(pid)) == process.FORKSERVER_NAME:
+        return "worker"  # it has the trainer's command line and name
     if "multiprocessing.forkserver import main" in text and "multiprocessing" not in (_cmdline(_parent_of(pid)) or ""):
         return "forkserver"
     forked_by_zygote = "zygote_main" in (_cmdline(_parent_of(pid)) or "")

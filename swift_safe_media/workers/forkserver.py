@@ -3,26 +3,24 @@ rank) long before its first batch, so their imports overlap the model's loading.
 
 - **The warm forkserver.** CPython's own forkserver (``multiprocessing.forkserver``), told
   to preload :mod:`._forkserver_preload`: that imports, once, the zygote's modules and
-  the data stack of the enabled hosts (torch, transformers, ms-swift or LeRobot, our
-  decoders: ``WORKER_PRELOAD`` of each adapter, plus ``SWIFT_SAFE_MEDIA_WORKER_PRELOAD``)
-  with thread pools of one thread, then the trainer's main script (which every child
-  imports before it runs, as under spawn) when its top level only imports and defines,
-  then counts its threads. DataLoader workers started
-  by ``forkserver`` (the default ``SWIFT_SAFE_MEDIA_MP_CONTEXT``) fork from it: a clean
+  the data stack of the enabled hosts (``WORKER_PRELOAD`` of each adapter, plus
+  ``SWIFT_SAFE_MEDIA_WORKER_PRELOAD``) with thread pools of one thread, then the trainer's
+  main script when its top level only imports and defines, then counts its threads. It is
+  forked from the trainer where the trainer had one thread (:mod:`.forked_forkserver`:
+  it shares the trainer's torch), else started by exec. DataLoader workers started by
+  ``forkserver`` (the default ``SWIFT_SAFE_MEDIA_MP_CONTEXT``) fork from it: a clean
   process that never ran the caller's threads, locks or decoder state, as spawn gives,
   at fork speed and sharing its pages. It dies with the trainer (``PR_SET_PDEATHSIG``, when the
   trainer's main thread started it): torch's workers watch only their own parent, and
   CPython's forkserver would outlive a killed trainer as long as any child of it lives.
 - **The shared zygote** (:class:`.shared_zygote.SharedZygote`): one per rank, used by the rank
-  and all its DataLoader workers. It is forked from the same forkserver (so it shares
-  those pages too), or started by exec where the forkserver is not ours to use.
+  and all its DataLoader workers, forked from the same forkserver (so it shares those
+  pages too), or started by exec where the forkserver is not ours to use.
 
-Both start in the background, first thing in ``enable()``: their imports overlap the
-pre-flight check's (torch, a second or two) and then the run's own set-up, and ``enable()``
-returns as soon as the check has passed. A run the check refuses stops them again
-(:func:`withdraw`). A forkserver that ends up with a thread after its imports is not
-forked from: DataLoaders asking for it get spawn (one warning) and the zygote is started
-by exec instead.
+Both start in the background, first thing in ``enable()``; ``enable()`` returns as soon as
+the pre-flight check has passed, and a run the check refuses stops them (:func:`withdraw`).
+A forkserver with a thread after its imports is not forked from: DataLoaders asking for it
+get spawn (one warning) and the zygote is started by exec instead.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ import threading
 from .. import config, process
 from ..engine.shared_zygote import SharedZygote
 from ..engine.zygote_start import PARENT_THREADS_ENV
+from . import forked_forkserver
 
 log = logging.getLogger("swift_safe_media")
 
@@ -60,15 +59,22 @@ def start(hosts) -> None:
     state = process.current()
     if state.shared_zygote is not None or not config.get(config.WARM_START):
         return
+    wanted = (config.mp_context() == FORKSERVER and state.dataloader_workers_expected is not False
+              and _main_may_be_imported_again())
+    # First: the fork, if any, happens before anything of ours holds a descriptor.
+    if wanted:
+        forked_forkserver.fork_ahead(for_hosts=bool(set(worker_preload(hosts)) - set(config.preload_modules())))
+    else:
+        forked_forkserver.dismiss()
     # Its socket is named in the environment before the forkserver copies the environment.
     try:
         shared = state.shared_zygote = SharedZygote(config.confine())
     except OSError as exc:  # fail open: each process then starts its own zygote, as before
         log.warning("swift_safe_media: no shared zygote (%s); each process starts its own", exc)
+        forked_forkserver.dismiss()
         return
     start_zygote = None
-    if (config.mp_context() == FORKSERVER and state.dataloader_workers_expected is not False
-            and _main_may_be_imported_again()):
+    if wanted:
         try:
             if _start_forkserver(hosts):
                 start_zygote = fork_zygote
@@ -77,7 +83,15 @@ def start(hosts) -> None:
     shared.start(start_zygote)
 
 
+def fork_ahead() -> None:
+    """As a host begins importing with protection asked for on its command line: fork the
+    forkserver's template while the trainer has one thread; ``enable()`` uses it later."""
+    if config.get(config.WARM_START) and config.mp_context() == FORKSERVER and _main_may_be_imported_again():
+        forked_forkserver.fork_ahead(for_hosts=True)
+
+
 def stop() -> None:
+    forked_forkserver.dismiss()
     state = process.current()
     if state.shared_zygote is not None:
         state.shared_zygote.close()
@@ -91,14 +105,13 @@ def withdraw() -> None:
     forks from nothing of ours."""
     from multiprocessing import forkserver
 
-    stop()  # first: a zygote not yet forked will not be
+    stop()  # first: a zygote not yet forked will not be, a template not yet used goes
     state = process.current()
     if state.forkserver_environment is None:
         return
     state.forkserver_environment = None
     server = forkserver._forkserver
-    # Under its lock, so that nothing starting a process meanwhile finds it dead and starts
-    # it again (CPython's ensure_running does).
+    # Under its lock: nothing starting a process meanwhile finds it dead and starts it again.
     with server._lock:
         pid = server._forkserver_pid
         if pid is not None:
@@ -121,8 +134,6 @@ def worker_preload(hosts) -> list[str]:
     """What the warm forkserver imports: the zygote's modules, the data stacks of the hosts
     named (or, with none named, of those this process has imported: a host that is merely
     installed is not worth importing), the user's."""
-    import sys
-
     from ..patching import host_adapters as integrations
 
     names = list(config.preload_modules())
@@ -139,12 +150,15 @@ def _start_forkserver(hosts) -> bool:
 
     server = forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None:
+        forked_forkserver.dismiss()
         return False
+    template = forked_forkserver.take()  # None: started by exec
     config.put(config.FORKSERVER_PRELOAD, ",".join(worker_preload(hosts)))
     config.put(config.FORKSERVER_MAIN, _main_for_forkserver())
     # The parent-death signal follows the thread that forks: only the main thread lasts as
     # long as the process.
-    config.put(config.FORKSERVER_PARENT, os.getpid() if threading.current_thread() is threading.main_thread() else 0)
+    by_main = template.parent_thread_is_main if template else threading.current_thread() is threading.main_thread()
+    config.put(config.FORKSERVER_PARENT, os.getpid() if by_main else 0)
     # Ours first, so nothing imports before the thread pools are quieted: not even the main
     # script (CPython's default preload, which CPython imports before any other); ours
     # imports it after the rest, when that is safe (_main_for_forkserver).
@@ -153,7 +167,9 @@ def _start_forkserver(hosts) -> bool:
     multiprocessing.get_context(FORKSERVER).set_forkserver_preload([PRELOAD_MODULE, *theirs])
     state = process.current()
     state.forkserver_environment, state.forkserver_preload_before = dict(os.environ), found
-    server.ensure_running()  # starts it by exec and returns; it imports in the background
+    # Starts it (by exec, or the template becomes it) and returns; it imports in the background.
+    with template.serving() if template else contextlib.nullcontext():
+        server.ensure_running()
     return True
 
 
@@ -248,7 +264,6 @@ def _zygote_child(zygote_end, listener) -> None:
     from ..engine import zygote
 
     confine_env.scrub()  # forked from a process holding the trainer's environment
-
     zygote.zygote_main(zygote_end.detach(), listener.detach())
 
 
@@ -289,7 +304,7 @@ def preload_in_forkserver() -> None:
         from ..engine import zygote_start
 
         zygote_start.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
-        threads_before_main = len(_threads())
+        threads_before_main = len(forked_forkserver.thread_names())
         if os.getppid() == parent:
             _import_main(config.get(config.FORKSERVER_MAIN))
     finally:
@@ -304,7 +319,7 @@ def preload_in_forkserver() -> None:
     gc.collect()
     gc.freeze()
     _map_large_blocks(config.get(config.WORKER_MMAP_THRESHOLD_KB))
-    threads = _threads()
+    threads = forked_forkserver.thread_names()
     os.environ[PARENT_THREADS_ENV] = str(len(threads))
     if len(threads) > 1:
         by_main = (f" ({len(threads) - threads_before_main} started by importing the main script; "
@@ -315,12 +330,10 @@ def preload_in_forkserver() -> None:
 
 
 def _zygote_skips_main_script() -> None:
-    """What this forkserver forks is prepared as CPython's spawn prepares a child: it runs
-    the parent's main script (as ``__mp_main__``) before its target, and a script without
-    ``if __name__ == "__main__":`` decodes at its top level. In the zygote, that decode
-    would wait for the zygote itself (it has not started serving) until the start-up
-    timeout. The zygote needs nothing of the main script (a sandbox loads the functions a
-    call names there, see :mod:`..engine.sandbox`), so its preparation leaves the script out."""
+    """What this forkserver forks runs the parent's main script first (as spawn does): in
+    the zygote, an unguarded script's top-level decode would wait for the zygote itself
+    until the start-up timeout. The zygote needs nothing of it (a sandbox loads the
+    functions a call names there, :mod:`..engine.sandbox`): its preparation leaves it out."""
     from multiprocessing import spawn
 
     prepare = spawn.prepare
@@ -359,9 +372,6 @@ def _import_main(main: str | None) -> None:
         del current._inheriting
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
 def _map_large_blocks(kib: int) -> None:
     """Fix glibc's mmap threshold at ``kib`` for this process and all it forks. A worker
     frees a sample's frames and tensors after each batch; under glibc's sliding threshold
@@ -369,12 +379,13 @@ def _map_large_blocks(kib: int) -> None:
     the system when freed. Anything but glibc: left as it is."""
     if not kib:
         return
+    m_mmap_threshold = -3  # glibc's mallopt parameter
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    if not mallopt(_M_MMAP_THRESHOLD, kib * 1024):
+    if not mallopt(m_mmap_threshold, kib * 1024):
         log.debug("swift_safe_media: mallopt(M_MMAP_THRESHOLD, %d KiB) refused", kib)
 
 
@@ -387,14 +398,3 @@ def _forked_from_forkserver() -> None:
         worker_watchdog.watch_the_trainer()  # a forkserver killed from outside leaves its workers at work
     except Exception:
         pass
-
-
-def _threads() -> list[str]:
-    try:
-        names = []
-        for task in sorted(os.listdir("/proc/self/task")):
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        return names
-    except OSError:
-        return ["?"]

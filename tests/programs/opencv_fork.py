@@ -60,6 +60,8 @@ def announce(worker_id):
     parent = os.getppid()
     with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
         command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    with open(f"/proc/{parent}/comm") as comm:
+        command = f"{comm.read().strip()} {command}"  # a warm forkserver forked from the trainer is named
     say("WORKER", os.getpid(), parent, command.replace(" ", "_")[:300])
 
 

@@ -104,6 +104,11 @@ QUARANTINE_UNDER_OUTPUT_DIR = ("safe_media", "quarantine.jsonl")
 take_flags = flags.take_flags
 
 
+def command_line_asks_for_protection() -> bool:
+    """``lerobot-train ... --safe_media=true``: seen as LeRobot begins importing."""
+    return flags.asks_for_protection(sys.argv[1:])
+
+
 def register_flags() -> None:
     """Take our flags out of ``sys.argv`` before draccus sees them and apply them."""
     values, remaining = take_flags(sys.argv[1:])

@@ -141,6 +141,12 @@ def unpatch() -> None:
 _flag_patcher = Patcher(("llamafactory.",))
 
 
+def command_line_asks_for_protection() -> bool:
+    """``llamafactory-cli train run.yaml`` whose YAML (or a ``safe_media=true`` after it)
+    turns protection on: seen as LLaMA-Factory begins importing."""
+    return flags.config_file_asks_for_protection(sys.argv[1:])
+
+
 def register_flags() -> None:
     """Wrap ``read_args`` (and its copies) so that the ``safe_media*`` keys never reach
     ``HfArgumentParser``, whether or not protection is on."""

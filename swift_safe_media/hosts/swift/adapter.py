@@ -312,6 +312,12 @@ def command_line_asks_for_protection() -> bool:
     return ours.safe_media is True
 
 
+def is_launcher() -> bool:
+    """``swift sft ...`` / ``megatron sft ...``: the console script runs the command's
+    script (``swift/cli/sft.py``) in a child process (or torchrun's), where the run is."""
+    return os.path.basename(sys.argv[0]) in ("swift", "megatron") and len(sys.argv) > 1
+
+
 def parse_args(original, class_type, argv=None):
     """Take our flags out of ``argv``, apply them, hand the rest to ms-swift's parser."""
     ours, rest = FLAGS.parse_known_args(sys.argv[1:] if argv is None else list(argv))

@@ -1,0 +1,297 @@
+"""The warm forkserver forked from the trainer, where it can be, rather than started by
+exec: both ends of the hand-over.
+
+A forkserver started by exec imports torch (and torchvision) a second time: some 280 MB of
+anonymous memory that no kernel can merge. Forked from the trainer once torch is imported,
+it shares those pages. Forking is safe only while the trainer has a single thread, which
+it has when protection is first asked for: as a host begins importing (``SWIFT_SAFE_MEDIA=1``
+or the host's flag on the command line) or at an ``enable()`` at the top of a script.
+There :func:`fork_ahead` imports torch, stops OpenBLAS's thread pool as OpenBLAS itself
+does before any fork (it starts again at its next use), and forks a *template*, which
+waits. When ``enable()`` then starts the
+warm forkserver (:mod:`.forkserver`), CPython's ``ensure_running`` builds its command and
+would exec it; :meth:`Template.serving` hands that command, its descriptors and the
+environment of the moment to the template instead, which makes itself what the exec
+would have made (only those descriptors open, that environment, a fresh ``__main__``)
+and runs the command. Everything after that, CPython's protocol and ours, is unchanged.
+
+Where the trainer already runs threads (torch imported before, a flag only in a
+config file read after the imports), where the Python's forkserver command is not the
+one known here, or when ``SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER=0``: exec, as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import importlib.util
+import logging
+import os
+import pickle
+import socket
+import struct
+import sys
+import threading
+import types
+
+from .. import config, process
+
+log = logging.getLogger("swift_safe_media")
+
+# What the trainer imports before the fork: the bulk of the forkserver's preload, which
+# the trainer imports anyway (torchvision: the hosts' data stacks import it). Host packages
+# cannot be: the fork point is inside the host's own first import.
+EARLY_IMPORTS = ("torch",)
+EARLY_IMPORTS_OF_HOSTS = ("torch", "torchvision")
+FORKSERVER_COMMAND = "from multiprocessing.forkserver import main"
+_HEADER = struct.Struct("!Q")
+
+
+class Template:
+    """The trainer's end: a forked copy of the trainer waiting to become the forkserver."""
+
+    def __init__(self, pid: int, orders: socket.socket, threads_at_fork: int, parent_thread_is_main: bool):
+        self.pid, self.orders = pid, orders
+        self.threads_at_fork = threads_at_fork  # the trainer's threads as it forked: 1
+        self.parent_thread_is_main = parent_thread_is_main
+        self.used = False
+
+    @contextlib.contextmanager
+    def serving(self):
+        """While CPython's forkserver starts: its exec goes to this template."""
+        from multiprocessing import util
+
+        spawn = util.spawnv_passfds
+
+        def spawn_or_hand_over(path, args, passfds):
+            if self.used or not any(FORKSERVER_COMMAND in str(arg) for arg in args):
+                return spawn(path, args, passfds)  # the resource tracker, say
+            self.hand_over(args, passfds)
+            return self.pid
+
+        util.spawnv_passfds = spawn_or_hand_over
+        try:
+            yield
+        finally:
+            util.spawnv_passfds = spawn
+
+    def hand_over(self, args, passfds) -> None:
+        payload = pickle.dumps({"args": list(args), "targets": list(passfds), "environment": dict(os.environ)})
+        socket.send_fds(self.orders, [_HEADER.pack(len(payload))], list(passfds))
+        self.orders.sendall(payload)
+        self.used = True
+        self.orders.close()
+
+    def dismiss(self) -> None:
+        """Not needed after all: it exits at the end of its orders."""
+        if not self.used:
+            self.orders.close()
+            process.reap(self.pid, block=False, patience=2.0)
+
+
+def can_fork_here(threads: bool = True) -> str | None:
+    """Why the trainer cannot fork the forkserver now (``threads``: counted too), or None."""
+    from multiprocessing import forkserver
+
+    if not config.get(config.FORKSERVER_FROM_TRAINER):
+        return f"{config.FORKSERVER_FROM_TRAINER}=0"
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return "a forkserver already runs"
+    try:
+        import inspect
+
+        if list(inspect.signature(forkserver.main).parameters) != [
+                "listener_fd", "alive_r", "preload", "main_path", "sys_path"]:
+            return "this Python's forkserver takes other arguments"
+    except (TypeError, ValueError):
+        return "this Python's forkserver cannot be read"
+    running = thread_names() if threads else ["this one"]
+    return None if len(running) == 1 else f"the trainer has {len(running)} threads ({', '.join(running)})"
+
+
+def fork_ahead(for_hosts: bool) -> Template | None:
+    """Fork the template now, if the trainer has one thread once torch (and, for a host's
+    run, torchvision) is imported; the trainer's thread settings are as they would have been."""
+    state = process.current()
+    if state.forkserver_template is not None:
+        return state.forkserver_template
+    why_not = can_fork_here(threads=False)
+    if why_not is None:
+        _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
+        why_not = can_fork_here()
+        if why_not is None:
+            state.forkserver_template = _fork_template()
+    if why_not is not None:
+        log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
+    return state.forkserver_template
+
+
+def take() -> Template | None:
+    """The template for the forkserver about to start (once), or None."""
+    state = process.current()
+    template, state.forkserver_template = state.forkserver_template, None
+    return template
+
+
+def dismiss() -> None:
+    template = take()
+    if template is not None:
+        template.dismiss()
+
+
+def _import_early(names) -> None:
+    """Import ``names``, then stop OpenBLAS's thread pool (numpy loads it,
+    and it starts its threads as it loads): what OpenBLAS itself does before any fork, its
+    pool starting again at its next use, with the same number of threads."""
+    try:
+        for name in names:
+            if name not in sys.modules and importlib.util.find_spec(name) is not None:
+                __import__(name)
+    except Exception as exc:  # fail open: the forkserver imports it, as before
+        log.debug("swift_safe_media: early import failed: %r", exc)
+    for path in _loaded_openblas():
+        try:
+            getattr(ctypes.CDLL(path), "blas_thread_shutdown_")()
+        except (OSError, AttributeError):
+            pass
+
+
+def _loaded_openblas() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps
+                           if "openblas" in line.rsplit("/", 1)[-1].lower() and "/" in line})
+    except OSError:
+        return []
+
+
+def thread_names() -> list[str]:
+    """This process's threads, by their names in ``/proc``."""
+    try:
+        names = []
+        for task in sorted(os.listdir("/proc/self/task")):
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        return names
+    except OSError:
+        return ["?"] * threading.active_count()
+
+
+def _fork_template() -> Template:
+    orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    trainer, threads, main = os.getpid(), len(thread_names()), threading.current_thread() is threading.main_thread()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            orders.close()
+            code = _become_forkserver(theirs, trainer if main else 0)
+        finally:
+            os._exit(code)
+    theirs.close()
+    log.debug("swift_safe_media: template of the warm forkserver forked (pid %d, the trainer had %d thread)",
+              pid, threads)
+    return Template(pid, orders, threads, main)
+
+
+# -- in the template -------------------------------------------------------------------
+def _become_forkserver(orders: socket.socket, trainer: int) -> int:
+    """Wait for the forkserver's command, make this process what its exec would have made,
+    run it. Returns the exit code (this copy of the trainer never returns into its code)."""
+    atexit._clear()  # the trainer's: they are not this process's to run
+    if trainer:
+        process.die_with_parent(trainer)
+    gc.collect()  # the trainer's garbage holding descriptors goes while they are still its
+    keep = orders.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
+    try:
+        header, fds, _, _ = socket.recv_fds(orders, _HEADER.size, 64)
+        if len(header) < _HEADER.size:
+            header += _receive(orders, _HEADER.size - len(header))
+        told = pickle.loads(_receive(orders, _HEADER.unpack(header)[0]))
+    except (OSError, EOFError, struct.error, pickle.UnpicklingError):
+        return 0  # dismissed, or the trainer is gone
+    orders.close()
+    if len(fds) != len(told["targets"]):
+        return 1
+    _place(fds, told["targets"])
+    os.environ.clear()
+    os.environ.update(told["environment"])
+    sys.argv[:] = ["-c"]
+    _leave_the_trainers_import()
+    _watch_the_hosts_again()
+    trainers_name = process.name()
+    process.set_name(process.FORKSERVER_NAME)
+    os.register_at_fork(after_in_child=lambda: process.set_name(trainers_name))
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    main.__builtins__ = __builtins__
+    from multiprocessing import process as mp_process
+
+    mp_process._children.clear()
+    code = 0
+    try:
+        exec(compile(told["args"][-1], "<string>", "exec"), main.__dict__)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()
+    return code
+
+
+def _leave_the_trainers_import() -> None:
+    """The fork point is inside the host's first import, under the import lock and the
+    host package's module lock: the forkserver's main thread would hold them for good, and
+    a thread of anything it forks that imports would wait for ever."""
+    import _imp
+    from importlib import _bootstrap
+
+    while _imp.lock_held():
+        _imp.release_lock()
+    me = threading.get_ident()
+    for reference in list(getattr(_bootstrap, "_module_locks", {}).values()):
+        lock = reference()
+        with contextlib.suppress(Exception):
+            while lock is not None and getattr(lock, "owner", None) == me and lock.count:
+                lock.release()
+
+
+def _watch_the_hosts_again() -> None:
+    """The start-up hook saw the trainer's host begin importing, and stopped watching it; a
+    forkserver started by exec sees it begin in its own imports (and so enables its
+    patches for all it forks): so must this copy."""
+    watcher = getattr(sys, "_swift_safe_media_watcher", None)
+    hosts = getattr(sys.modules.get("_swift_safe_media_startup"), "_HOSTS", ())
+    if watcher is None or not hasattr(watcher, "pending"):
+        return
+    watcher.pending = {host for host in hosts if host not in sys.modules}
+    if watcher.pending and watcher not in sys.meta_path:
+        sys.meta_path.insert(0, watcher)
+
+
+def _receive(orders: socket.socket, size: int) -> bytes:
+    got = b""
+    while len(got) < size:
+        chunk = orders.recv(size - len(got))
+        if not chunk:
+            raise EOFError
+        got += chunk
+    return got
+
+
+def _place(fds: list[int], targets: list[int]) -> None:
+    """Put each received descriptor at the number the command names, as exec's
+    ``pass_fds`` would have left it (above every target first, so none lands on another)."""
+    import fcntl
+
+    above = max(targets, default=2) + 1
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(high, targets):
+        os.dup2(fd, target)  # inheritable, as exec leaves it
+        os.close(fd)

@@ -1,0 +1,79 @@
+"""A trainer that turns protection on before it imports torch, as ``SWIFT_SAFE_MEDIA=1``
+or a host's ``--safe_media`` flag does (the host's first import, where the trainer has one
+thread): its warm forkserver is forked from it.
+
+``python -m tests.programs.forked_forkserver [CASE]`` prints one JSON object: the
+trainer's pid, the forkserver's pid, parent, command line and threads, torch's and
+OpenBLAS's thread counts in the trainer, and what each of two DataLoader workers saw
+(its parent, its threads at start, the forkserver's thread count as it forked, a sample
+decoded in a sandbox, whether a thread of its could import a module). CASE ``thread``:
+the trainer starts a thread first; ``host``: protection is turned on by importing ms-swift
+under ``SWIFT_SAFE_MEDIA=1`` (the fork happens inside that import) instead of ``enable()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import swift_safe_media
+from swift_safe_media import call
+from swift_safe_media.engine.zygote_start import PARENT_THREADS_ENV
+
+from tests import sandboxed
+
+
+def threads(pid="self") -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+class Samples:  # torch is imported after enable(), in main()
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        started = threads()
+        importer = threading.Thread(target=__import__, args=("tests.programs.imported_by_a_worker_thread",), daemon=True)
+        importer.start()
+        importer.join(20)  # a forkserver holding the import lock it was forked under: for ever
+        return {"index": index, "ppid": os.getppid(), "threads": started, "thread_imported": not importer.is_alive(),
+                "forkserver_threads": os.environ.get(PARENT_THREADS_ENV),
+                "sandbox": call(sandboxed.process_facts)["pid"]}
+
+
+def main():
+    if sys.argv[1:] == ["thread"]:
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    if sys.argv[1:] == ["host"]:
+        import swift  # noqa: F401 (the start-up hook turns protection on as it begins importing)
+    else:
+        swift_safe_media.enable()
+    from multiprocessing import forkserver
+
+    import torch
+    from threadpoolctl import threadpool_info
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(Samples(), batch_size=None, num_workers=2, multiprocessing_context="forkserver")
+    items = list(loader)
+    server = forkserver._forkserver._forkserver_pid
+    with open(f"/proc/{server}/cmdline", "rb") as cmdline:
+        command = cmdline.read().split(b"\0")
+    with open(f"/proc/{server}/stat") as stat:
+        parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{server}/comm") as comm:
+        name = comm.read().strip()
+    print(json.dumps({
+        "trainer": os.getpid(), "forkserver": server, "forkserver_ppid": parent, "forkserver_name": name,
+        "forkserver_command": [part.decode() for part in command if part],
+        "trainer_command": open("/proc/self/cmdline", "rb").read().decode().split("\0")[:-1],
+        "forkserver_threads": threads(server), "torch_threads": torch.get_num_threads(),
+        "pools": sorted((pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()),
+        "items": items}, default=str))
+
+
+if __name__ == "__main__":
+    main()

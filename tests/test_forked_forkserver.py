@@ -1,0 +1,84 @@
+"""The warm forkserver forked from the trainer (issue 45): where protection is asked for
+while the trainer has one thread (``enable()`` before the trainer's imports, or a host's
+first import under ``SWIFT_SAFE_MEDIA=1``), the forkserver is a fork of the trainer and
+shares its torch; it has one thread as it forks, its workers start with one thread and
+may import from threads; the trainer's thread pools are as without it. Where the trainer
+already runs a thread, the forkserver is started by exec as before. Real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from swift_safe_media import config
+from swift_safe_media.process import FORKSERVER_NAME
+
+from .fresh import ROOT, clean_environment
+
+CASES = {"forked": ([], {}), "off": ([], {config.FORKSERVER_FROM_TRAINER: "0"}),
+         "thread": (["thread"], {}), "host": (["host"], {"SWIFT_SAFE_MEDIA": "1"})}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Each case's program, side by side: (its JSON, its stderr)."""
+    started = {}
+    for case, (args, env) in CASES.items():
+        environment = clean_environment({config.LOG_LEVEL: "DEBUG", **env}, warm_start=True)
+        started[case] = subprocess.Popen([sys.executable, "-m", "tests.programs.forked_forkserver", *args],
+                                         cwd=ROOT, env=environment, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+    found = {}
+    for case, child in started.items():
+        stdout, stderr = child.communicate(timeout=240)
+        assert child.returncode == 0, (case, stderr[-3000:])
+        found[case] = (json.loads(stdout.strip().splitlines()[-1]), stderr)
+    return found
+
+
+def _workers_are_clean_forks_of(found: dict) -> None:
+    items = found["items"]
+    assert sorted(item["index"] for item in items) == [0, 1, 2, 3]
+    assert {item["ppid"] for item in items} == {found["forkserver"]}
+    # The forkserver had one thread when it forked them, and each started with one.
+    assert {item["forkserver_threads"] for item in items} == {"1"}
+    assert [item["threads"] for item in sorted(items, key=lambda item: item["index"])][:2] == [1, 1]
+    assert all(item["thread_imported"] for item in items)  # no import lock held for good
+    assert len({item["sandbox"] for item in items}) == 2  # decoded in a sandbox per worker
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["forked", "host"])
+def test_a_trainer_with_one_thread_forks_its_warm_forkserver(runs, case):
+    found, stderr = runs[case]
+    assert found["forkserver_ppid"] == found["trainer"]
+    assert found["forkserver_name"] == FORKSERVER_NAME
+    assert found["forkserver_command"] == found["trainer_command"]  # a fork: no exec
+    assert "template of the warm forkserver forked" in stderr and "the trainer had 1 thread)" in stderr, stderr[-3000:]
+    assert found["forkserver_threads"] == 1
+    _workers_are_clean_forks_of(found)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["off", "thread"])
+def test_otherwise_the_warm_forkserver_is_started_by_exec(runs, case):
+    found, stderr = runs[case]
+    assert "multiprocessing.forkserver import main" in " ".join(found["forkserver_command"])
+    assert found["forkserver_name"] != FORKSERVER_NAME
+    assert "template of the warm forkserver forked" not in stderr
+    why = "SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER=0" if case == "off" else "the trainer has 2 threads"
+    assert f"the warm forkserver will be started by exec: {why}" in stderr, stderr[-3000:]
+    _workers_are_clean_forks_of(found)
+
+
+@pytest.mark.timeout(300)
+def test_the_trainers_thread_pools_are_as_without_the_fork(runs):
+    """torch's intra-op threads and OpenBLAS's and OpenMP's pools, as the trainer has them
+    when the forkserver is started by exec (nothing of the trainer's then changes)."""
+    forked, _ = runs["forked"]
+    off, _ = runs["off"]
+    assert forked["torch_threads"] == off["torch_threads"]
+    assert forked["pools"] == off["pools"] and any(name == "openblas" for name, _ in forked["pools"])
