@@ -33,22 +33,28 @@ TIMINGS = "BENCH_LLAMAFACTORY_TIMINGS"
 
 
 def run_cli(config: str) -> None:
-    """In LLaMA-Factory's interpreter: time the DataLoader and every step, then run the CLI."""
-    from transformers import Trainer
+    """In LLaMA-Factory's interpreter: time the DataLoader and every step, then run the CLI.
+    The Trainer is timed once LLaMA-Factory imports it, so LLaMA-Factory is the first thing
+    imported, as under ``llamafactory-cli`` (where the start-up hook sees it begin)."""
+    from swift_safe_media.patching import import_hooks
 
     marks = {"loader": None, "steps": []}
-    stock_loader, stock_step = Trainer.get_train_dataloader, Trainer.training_step
 
-    def get_train_dataloader(self, *args, **kwargs):
-        loader = stock_loader(self, *args, **kwargs)
-        marks["loader"] = time.perf_counter()
-        return loader
+    def instrument(module):
+        stock_loader, stock_step = module.Trainer.get_train_dataloader, module.Trainer.training_step
 
-    def training_step(self, *args, **kwargs):
-        marks["steps"].append(time.perf_counter())
-        return stock_step(self, *args, **kwargs)
+        def get_train_dataloader(self, *args, **kwargs):
+            loader = stock_loader(self, *args, **kwargs)
+            marks["loader"] = time.perf_counter()
+            return loader
 
-    Trainer.get_train_dataloader, Trainer.training_step = get_train_dataloader, training_step
+        def training_step(self, *args, **kwargs):
+            marks["steps"].append(time.perf_counter())
+            return stock_step(self, *args, **kwargs)
+
+        module.Trainer.get_train_dataloader, module.Trainer.training_step = get_train_dataloader, training_step
+
+    import_hooks.when_imported("transformers.trainer", instrument)
     sys.argv = ["llamafactory-cli", "train", config]
     here = Path(__file__).resolve().parent
     sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != here]  # not this file: the package
