@@ -57,16 +57,21 @@ def forkservers(seen: dict[int, Process]) -> set[int]:
                 getattr(seen.get(row.parent), "command", ""))}
 
 
+def from_forkservers(seen: dict[int, Process]) -> set[int]:
+    """The warm forkservers among ``seen`` and everything descending from them."""
+    found = forkservers(seen)
+    while True:
+        more = {pid for pid, row in seen.items() if row.parent in found} - found
+        if not more:
+            return found
+        found |= more
+
+
 def trainer_copies(seen: dict[int, Process], command: str, sightings: dict[int, int] | None = None) -> list[str]:
     """Processes with the trainer's command line (``command`` in it) forked by the trainer's
     own code: not the warm forkserver forked from it nor anything descending from it; with
     ``sightings``, only those seen more than 3 times (a fork about to exec a helper keeps
     the trainer's command line for a moment)."""
-    clean = forkservers(seen)  # and all they fork, and all that forks, ...
-    grew = True
-    while grew:
-        more = {pid for pid, row in seen.items() if row.parent in clean} - clean
-        clean |= more
-        grew = bool(more)
+    clean = from_forkservers(seen)
     return [row.command for pid, row in seen.items() if command in row.command and pid not in clean
             and (sightings is None or sightings.get(pid, 0) > 3)]

@@ -23,6 +23,7 @@ import pytest
 
 from swift_safe_media.records import quarantine
 
+from .proc_table import from_forkservers, trainer_copies
 from .test_lerobot_train import OFFLINE, left_behind, run_train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,10 +85,11 @@ def train_command(root: Path, output_dir: Path, *extra: str, steps: int = STEPS)
 def workers(run) -> dict[str, list[str]]:
     """The trainer's descendants by how they started: spawned (``spawn_main``), from a
     forkserver, or forked copies of the trainer (they keep its command line)."""
-    rows = [row[2] for row in run["seen"].values()]
-    return {"spawned": [row for row in rows if "spawn_main" in row],
-            "forkserver": [row for row in rows if "forkserver" in row],
-            "forked": [row for row in rows if str(LEROBOT_TRAIN) in row]}
+    seen = run["seen"]
+    return {"spawned": [row.command for row in seen.values() if "spawn_main" in row.command],
+            # exec'd (CPython's command line) or forked from the trainer (its command line, named so)
+            "forkserver": [seen[pid].command for pid in from_forkservers(seen)],
+            "forked": trainer_copies(seen, str(LEROBOT_TRAIN))}
 
 
 def assert_every_bad_file_named(output: str, bad: dict) -> None:
