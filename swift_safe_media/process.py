@@ -92,9 +92,10 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def name() -> str:
+def name(pid: int | str = "self") -> str:
+    """What a process calls itself (``/proc/<pid>/comm``); "" when it cannot be read."""
     try:
-        with open("/proc/self/comm") as comm:
+        with open(f"/proc/{pid}/comm") as comm:
             return comm.read().strip()
     except OSError:
         return ""

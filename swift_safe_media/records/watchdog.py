@@ -132,22 +132,14 @@ def _catches(pid: int, signum: int) -> bool:
     return False
 
 
-def _comm(pid) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as comm:
-            return comm.read().strip()
-    except OSError:
-        return ""
-
-
 def _describe(pid: int) -> str:
     text = _cmdline(pid)
     if text is None:
         return "gone"
-    name = _comm(pid)  # zygotes and sandboxes forked from the warm forkserver share its command line
+    name = process.name(pid)  # zygotes and sandboxes forked from the warm forkserver share its command line
     if name in (process.ZYGOTE_NAME, process.SANDBOX_NAME, process.FORKSERVER_NAME):
         return {process.ZYGOTE_NAME: "zygote", process.SANDBOX_NAME: "sandbox"}.get(name, "forkserver")
-    if _comm(_parent_of(pid)) == process.FORKSERVER_NAME:
+    if process.name(_parent_of(pid)) == process.FORKSERVER_NAME:
         return "worker"  # it has the trainer's command line and name
     if "multiprocessing.forkserver import main" in text and "multiprocessing" not in (_cmdline(_parent_of(pid)) or ""):
         return "forkserver"

@@ -37,6 +37,7 @@ import threading
 import types
 
 from .. import config, process
+from ..engine import transport
 
 log = logging.getLogger("swift_safe_media")
 
@@ -52,9 +53,8 @@ _HEADER = struct.Struct("!Q")
 class Template:
     """The trainer's end: a forked copy of the trainer waiting to become the forkserver."""
 
-    def __init__(self, pid: int, orders: socket.socket, threads_at_fork: int, parent_thread_is_main: bool):
+    def __init__(self, pid: int, orders: socket.socket, parent_thread_is_main: bool):
         self.pid, self.orders = pid, orders
-        self.threads_at_fork = threads_at_fork  # the trainer's threads as it forked: 1
         self.parent_thread_is_main = parent_thread_is_main
         self.used = False
 
@@ -91,8 +91,8 @@ class Template:
             process.reap(self.pid, block=False, patience=2.0)
 
 
-def can_fork_here(threads: bool = True) -> str | None:
-    """Why the trainer cannot fork the forkserver now (``threads``: counted too), or None."""
+def _why_not_fork() -> str | None:
+    """Why the trainer cannot fork the forkserver at all (threads aside), or None."""
     from multiprocessing import forkserver
 
     if not config.get(config.FORKSERVER_FROM_TRAINER):
@@ -107,25 +107,24 @@ def can_fork_here(threads: bool = True) -> str | None:
             return "this Python's forkserver takes other arguments"
     except (TypeError, ValueError):
         return "this Python's forkserver cannot be read"
-    running = thread_names() if threads else ["this one"]
-    return None if len(running) == 1 else f"the trainer has {len(running)} threads ({', '.join(running)})"
+    return None
 
 
-def fork_ahead(for_hosts: bool) -> Template | None:
+def fork_ahead(for_hosts: bool) -> None:
     """Fork the template now, if the trainer has one thread once torch (and, for a host's
     run, torchvision) is imported; the trainer's thread settings are as they would have been."""
     state = process.current()
     if state.forkserver_template is not None:
-        return state.forkserver_template
-    why_not = can_fork_here(threads=False)
+        return
+    why_not = _why_not_fork()
     if why_not is None:
         _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
-        why_not = can_fork_here()
-        if why_not is None:
+        threads = thread_names()
+        if len(threads) == 1:
             state.forkserver_template = _fork_template()
-    if why_not is not None:
-        log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
-    return state.forkserver_template
+            return
+        why_not = f"the trainer has {len(threads)} threads ({', '.join(threads)})"
+    log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
 
 
 def take() -> Template | None:
@@ -181,7 +180,8 @@ def thread_names() -> list[str]:
 
 def _fork_template() -> Template:
     orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    trainer, threads, main = os.getpid(), len(thread_names()), threading.current_thread() is threading.main_thread()
+    trainer, main = os.getpid(), threading.current_thread() is threading.main_thread()
+    threads = len(thread_names())  # 1: counted again as it forks, for the log
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -193,7 +193,7 @@ def _fork_template() -> Template:
     theirs.close()
     log.debug("swift_safe_media: template of the warm forkserver forked (pid %d, the trainer had %d thread)",
               pid, threads)
-    return Template(pid, orders, threads, main)
+    return Template(pid, orders, main)
 
 
 # -- in the template -------------------------------------------------------------------
@@ -210,8 +210,8 @@ def _become_forkserver(orders: socket.socket, trainer: int) -> int:
     try:
         header, fds, _, _ = socket.recv_fds(orders, _HEADER.size, 64)
         if len(header) < _HEADER.size:
-            header += _receive(orders, _HEADER.size - len(header))
-        told = pickle.loads(_receive(orders, _HEADER.unpack(header)[0]))
+            header += transport.receive_exactly(orders, _HEADER.size - len(header))
+        told = pickle.loads(transport.receive_exactly(orders, _HEADER.unpack(header)[0]))
     except (OSError, EOFError, struct.error, pickle.UnpicklingError):
         return 0  # dismissed, or the trainer is gone
     orders.close()
@@ -271,16 +271,6 @@ def _watch_the_hosts_again() -> None:
     watcher.pending = {host for host in hosts if host not in sys.modules}
     if watcher.pending and watcher not in sys.meta_path:
         sys.meta_path.insert(0, watcher)
-
-
-def _receive(orders: socket.socket, size: int) -> bytes:
-    got = b""
-    while len(got) < size:
-        chunk = orders.recv(size - len(got))
-        if not chunk:
-            raise EOFError
-        got += chunk
-    return got
 
 
 def _place(fds: list[int], targets: list[int]) -> None:

@@ -53,14 +53,12 @@ def in_forkserver() -> bool:
 
 
 def start(hosts) -> None:
-    """Start the warm forkserver (when DataLoader workers will use it: the start method is
-    ``forkserver`` and the host did not say the run has no workers, as ``swift infer``)
-    and this rank's shared zygote, once per process; a later ``enable()`` keeps them."""
+    """Start the warm forkserver (when DataLoader workers will use it) and this rank's
+    shared zygote, once per process; a later ``enable()`` keeps them."""
     state = process.current()
     if state.shared_zygote is not None or not config.get(config.WARM_START):
         return
-    wanted = (config.mp_context() == FORKSERVER and state.dataloader_workers_expected is not False
-              and _main_may_be_imported_again())
+    wanted = _forkserver_wanted()
     # First: the fork, if any, happens before anything of ours holds a descriptor.
     if wanted:
         forked_forkserver.fork_ahead(for_hosts=bool(set(worker_preload(hosts)) - set(config.preload_modules())))
@@ -86,8 +84,19 @@ def start(hosts) -> None:
 def fork_ahead() -> None:
     """As a host begins importing with protection asked for on its command line: fork the
     forkserver's template while the trainer has one thread; ``enable()`` uses it later."""
-    if config.get(config.WARM_START) and config.mp_context() == FORKSERVER and _main_may_be_imported_again():
+    if config.get(config.WARM_START) and _forkserver_wanted():
         forked_forkserver.fork_ahead(for_hosts=True)
+
+
+def _forkserver_wanted() -> bool:
+    """DataLoader workers will use the warm forkserver: the start method is ``forkserver``,
+    the host did not say the run has none (``swift infer``, ms-swift's launcher), and its
+    children, which import the main script again (as spawn's do), may: the statement running
+    now is under ``if __name__ == "__main__":`` or an import (``SWIFT_SAFE_MEDIA=1``)."""
+    from . import spawn_guard
+
+    return (config.mp_context() == FORKSERVER and process.current().dataloader_workers_expected is not False
+            and spawn_guard.unguarded_main_statement(imports_are_harmless=True) is None)
 
 
 def stop() -> None:
@@ -119,15 +128,6 @@ def withdraw() -> None:
                 os.kill(pid, signal.SIGKILL)  # it is importing for seconds: asking it to stop would wait for that
             server._stop_unlocked()  # reaps it and forgets its address
         server._preload_modules, state.forkserver_preload_before = state.forkserver_preload_before, None
-
-
-def _main_may_be_imported_again() -> bool:
-    """A process forked from the forkserver imports the main script again (as spawn does):
-    harmless only if the statement running it now is under ``if __name__ == "__main__":``
-    or is an import (``SWIFT_SAFE_MEDIA=1`` enables protection as the host is imported)."""
-    from . import spawn_guard
-
-    return spawn_guard.unguarded_main_statement(imports_are_harmless=True) is None
 
 
 def worker_preload(hosts) -> list[str]:
