@@ -332,11 +332,14 @@ def _replace(replacing, iterator, worker_id: int, hung: Hung) -> bool:
 
 def _kill_with_its_programs(pid: int) -> None:
     """SIGKILL a worker and what it started (an ffmpeg program moviepy or imageio-ffmpeg
-    runs, blocked on the same file, would outlive it). Its sandboxes are not its children:
-    each ends as its caller is gone."""
+    runs, blocked on the same file, would outlive it). The worker goes first: killed after
+    its program, it could wake to that program's end and run the user's ``except`` (a
+    spurious error logged for a task sent again). Its programs are listed before, as they
+    are reparented once it is gone. Its sandboxes are not its children: each ends as its
+    caller is gone."""
     from ..records.watchdog import _descendants
 
-    for number in [*_descendants(pid), pid]:
+    for number in [pid, *_descendants(pid)]:
         try:
             os.kill(number, signal.SIGKILL)
         except ProcessLookupError:
