@@ -46,7 +46,7 @@ class ProcessState:
     forkserver_environment: dict | None = None
     forkserver_template: object = None  # forked_forkserver.Template, forked ahead, not yet the forkserver
     forkserver_preload_before: list | None = None  # CPython's forkserver preload before ours (warm_start.withdraw)
-    # transport.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
+    # held_memory.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
     recycled_buffers: object = None
     # Temporary folders this process made -> the descriptor that holds its lock (run_folders):
     # a forked child owns none (it only shares the parent's locks while it lives)

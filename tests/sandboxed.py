@@ -161,6 +161,20 @@ def filled_frames(value, count=8):
     return np.full((count, 360, 640, 3), value, dtype=np.uint8)
 
 
+def frames_written_in_place(value, count=8, then=None):
+    """Frames made as a decode makes them: in the shared memory the result goes back
+    through (``sandbox.result_buffer``). ``then``: "raise" after writing them, or "copy"
+    (return a copy, leaving the written block unsent)."""
+    from swift_safe_media.engine import sandbox
+
+    shape = (count, 360, 640, 3)
+    frames = np.frombuffer(sandbox.result_buffer(int(np.prod(shape))), np.uint8).reshape(shape)
+    frames[:] = value
+    if then == "raise":
+        raise ValueError("failed after writing its frames")
+    return frames.copy() if then == "copy" else frames
+
+
 def sleep_then_pid(seconds):
     time.sleep(seconds)
     return os.getpid()

@@ -355,6 +355,27 @@ def test_shared_blocks_are_reused_only_after_the_caller_drops_them():
     assert call(sandboxed.arena_counts) == (0, 2)
 
 
+def test_a_result_written_into_shared_memory_is_sent_without_a_copy():
+    import gc
+
+    swift_safe_media.shutdown()
+    first = call(sandboxed.frames_written_in_place, 1)
+    assert (first == 1).all() and not first.flags["OWNDATA"]
+    assert call(sandboxed.arena_counts) == (1, 0)  # the block written is the one sent: no second block
+    with pytest.raises(ValueError, match="failed after writing its frames"):
+        call(sandboxed.frames_written_in_place, 2, then="raise")
+    assert call(sandboxed.arena_counts) == (1, 1)  # the failed call's block is idle again
+    copied = call(sandboxed.frames_written_in_place, 3, then="copy")  # written, but a copy is sent
+    assert call(sandboxed.arena_counts) == (2, 1) and (copied == 3).all()
+    again = call(sandboxed.frames_written_in_place, 4)  # lent while `first` and `copied` are alive
+    assert (first == 1).all() and (copied == 3).all() and (again == 4).all()
+    del first, copied, again
+    gc.collect()
+    assert call(sandboxed.arena_counts) == (0, 3)
+    fifth = call(sandboxed.frames_written_in_place, 5)  # reuses an idle block
+    assert (fifth == 5).all() and call(sandboxed.arena_counts) == (1, 2)
+
+
 def test_a_killed_zygote_is_restarted(fresh_engine):
     call(sandboxed.add, 1, 1)
     zygote = get_engine()._link.zygote.process

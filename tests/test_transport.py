@@ -1,4 +1,4 @@
-"""transport.RecycledBuffers: memory handed out again only once nothing views it."""
+"""held_memory.RecycledBuffers: memory handed out again only once nothing views it."""
 from __future__ import annotations
 
 import gc
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import torch
 
-from swift_safe_media.engine.transport import RecycledBuffers
+from swift_safe_media.engine.held_memory import RecycledBuffers
 
 
 def _address(view) -> int:

@@ -32,6 +32,9 @@ from .videoinfo import VideoInfo
 PALETTE_CODECS = frozenset({"rawvideo", "qtrle", "smc", "msrle", "8bps", "msvideo1", "aasc", "tscc", "cinepak",
                             "idcin", "rpza", "zmbv", "flic", "qpeg", "tmv", "rl2", "cdgraphics", "anm", "bethsoftvid",
                             "interplayvideo", "kgv1", "mszh", "zlib", "rscc", "bmp"})
+# Results this large are written into the sandbox's shared memory as they decode (the
+# smallest block it lends is 1 MB; smaller ones travel in the message itself).
+_IN_PLACE_MIN_BYTES = 1 << 20
 
 
 def _rotate(frame, degrees: float):
@@ -41,6 +44,40 @@ def _rotate(frame, degrees: float):
 
     turns = round(degrees / 90) % 4
     return np.ascontiguousarray(np.rot90(frame, k=turns)) if turns else frame
+
+
+class _Frames:
+    """The decoded frames, written one by one into one array (as ``np.stack`` of them
+    would be) made at the first frame; in a sandbox that array is in the shared memory
+    the result is sent back through, so sending it copies nothing."""
+
+    def __init__(self, count: int):
+        self.count, self.frames, self._filled = count, None, [False] * count
+
+    def put(self, positions, array) -> None:
+        if self.frames is None:
+            self.frames = _result_array((self.count, *array.shape), array.dtype)
+        elif array.shape != self.frames.shape[1:]:  # a new size mid-stream
+            raise ValueError(f"a frame of {array.shape} after frames of {self.frames.shape[1:]}")
+        for position in positions:
+            self.frames[position] = array
+            self._filled[position] = True
+
+    def missing(self) -> list[int]:
+        return [k for k, filled in enumerate(self._filled) if not filled]
+
+
+def _result_array(shape, dtype):
+    import numpy as np
+
+    from ..engine import sandbox
+
+    count = math.prod(shape)
+    size = count * np.dtype(dtype).itemsize
+    buffer = sandbox.result_buffer(size) if size >= _IN_PLACE_MIN_BYTES else None
+    if buffer is None:
+        return np.empty(shape, dtype)
+    return np.frombuffer(buffer, dtype, count).reshape(shape)
 
 
 class PyAVVideo:
@@ -126,14 +163,12 @@ class PyAVVideo:
         """(uint8 array (N, H, W, 3) of the frames at `indices`, or of the frames on
         screen `seconds` after the first one, and the frames the stream really holds).
         Decodes every frame: the count is checked on the way."""
-        import numpy as np
-
         wanted = {}
         for position, index in enumerate(indices or ()):
             wanted.setdefault(int(index), []).append(position)
         # Times in order, each answered by the last frame shown at or before it.
         timed = sorted(range(len(seconds or ())), key=lambda k: seconds[k])
-        out = [None] * (len(indices) if indices is not None else len(seconds))
+        out = _Frames(len(indices) if indices is not None else len(seconds))
         container, stream = self._open()
         count, previous, start = 0, None, None
         try:
@@ -145,26 +180,24 @@ class PyAVVideo:
                     shown = frame.time if frame.time is not None else count / (self._nominal or 1.0)
                     start = shown if start is None else start
                     while timed and previous is not None and start + seconds[timed[0]] + 1e-9 < shown:
-                        out[timed.pop(0)] = self._array(previous)
+                        out.put([timed.pop(0)], self._array(previous))
                     previous = frame
                 positions = wanted.get(count)
                 if positions:
-                    array = self._array(frame)
-                    for position in positions:
-                        out[position] = array
+                    out.put(positions, self._array(frame))
                 count += 1
             while timed and previous is not None:
-                out[timed.pop(0)] = self._array(previous)
+                out.put([timed.pop(0)], self._array(previous))
         except MediaDecodeError:
             raise
         except Exception as exc:
             raise decode_failure(self.label, exc, "decoding with PyAV", "PyAV") from None
         finally:
             container.close()
-        missing = [k for k, frame in enumerate(out) if frame is None]
+        missing = out.missing()
         if missing and indices is not None and count > max(int(i) for i in indices):
             raise MediaDecodeError(self.label, f"frame {indices[missing[0]]} did not decode")
-        return (np.stack(out) if not missing else None), count
+        return (out.frames if not missing else None), count
 
     def recount(self, count: int) -> None:
         """The stream holds `count` frames (what decoding found), not what its packets

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from ..engine import calls as engine, transport
+from ..engine import calls as engine, held_memory
 from . import audio as _audio
 from . import families, guards, inputs, video
 
@@ -54,7 +54,7 @@ def _pil_list(frames):
             image = image.convert("RGB")
         images.append(image)
         if not image.readonly and not engine.in_sandbox():  # a copy, not a view on the frame
-            transport.release_pages(frame)
+            held_memory.release_pages(frame)
     return images
 
 

@@ -154,14 +154,18 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
             arena.take_back(request)
             continue
         fn, args, kwargs = request
+        failed = False
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
             _reply_error(conn, exc, memory_cap_mb)
-            continue
+            failed = True
         finally:
             fn = args = kwargs = None
             handed.release()  # the request's media descriptors
+        if failed:  # the error and its frames are gone now
+            arena.call_ended()
+            continue
         confine_output.take()  # a call that succeeded: what it printed goes nowhere
         try:
             transport.send(conn, transport.RESULT, result, arena=arena)
@@ -170,6 +174,14 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
         except BaseException as exc:
             _reply_error(conn, _unsendable(result, exc), memory_cap_mb)
         result = None
+        arena.call_ended()
+
+
+def result_buffer(size: int) -> memoryview | None:
+    """In a sandbox, ``size`` bytes of shared memory for the call's result to be written
+    into (a decode's frames), sent back without a copy; elsewhere None (the caller makes
+    its own array)."""
+    return arena.for_result(size) if arena is not None else None
 
 
 def _unsendable(result, exc: BaseException) -> errors.MediaDecodeError:

@@ -26,12 +26,10 @@ import os
 import pickle
 import socket
 import struct
-import threading
 import time
-import weakref
 
 from ..confinement import handed, reply_unpickler
-from . import pickling
+from . import held_memory, pickling
 
 # kind, pickle length, buffer count, memfd bytes used, arena block id (0: not lent)
 _HEADER = struct.Struct("!BQIQQ")
@@ -54,9 +52,13 @@ class _Block:
         except BaseException:
             os.close(self.fd)
             raise
+        self.address = _address(self.mapping)
 
     def close(self):
-        self.mapping.close()
+        try:
+            self.mapping.close()
+        except BufferError:  # an array still views it (a result written in place): unmapped with it
+            pass
         os.close(self.fd)
 
 
@@ -67,6 +69,7 @@ class SharedArena:
         self.max_idle_bytes = max_idle_bytes
         self._idle: dict[int, list[_Block]] = {}
         self._lent: dict[int, _Block] = {}
+        self._writing: list[_Block] = []  # lent to the call running now (for_result)
         self._ids = itertools.count(1)
 
     def lend(self, size: int) -> _Block:
@@ -75,6 +78,34 @@ class SharedArena:
         block = idle.pop() if idle else _Block(capacity, next(self._ids))
         self._lent[block.id] = block
         return block
+
+    def for_result(self, size: int) -> memoryview:
+        """``size`` bytes of a block that a call writes its result into (a decode's frames):
+        a reply whose large buffers all lie there is sent without being copied
+        (:meth:`placed`). Whatever the reply did not take comes back at :meth:`call_ended`."""
+        block = self.lend(size)
+        self._writing.append(block)
+        return memoryview(block.mapping)[:size]
+
+    def placed(self, buffers) -> tuple[_Block, list, int] | None:
+        """(the block, the spans in it, the bytes to map) where every buffer lies in one
+        block a call wrote its result into; None otherwise."""
+        for block in self._writing:
+            spans = []
+            for view in buffers:
+                offset = _address(view) - block.address
+                if not 0 <= offset <= block.capacity - view.nbytes:
+                    break
+                spans.append((offset, view.nbytes))
+            else:
+                self._writing.remove(block)
+                return block, spans, max(offset + length for offset, length in spans)
+        return None
+
+    def call_ended(self) -> None:
+        """The blocks written into that no reply took are idle again (the call's result is gone)."""
+        writing, self._writing = self._writing, []
+        self.take_back(block.id for block in writing)
 
     def counts(self) -> tuple[int, int]:
         """(blocks lent to the caller, idle blocks kept for reuse)"""
@@ -119,7 +150,11 @@ def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int
         size += -(-view.nbytes // _ALIGN) * _ALIGN
     fd, owned, block_id = -1, False, 0
     try:
-        if buffers and arena is not None:
+        placed = arena.placed(buffers) if buffers and arena is not None else None
+        if placed is not None:  # written in place: nothing to copy
+            block, spans, size = placed
+            fd, block_id = block.fd, block.id
+        elif buffers and arena is not None:
             block = arena.lend(size)
             _copy_into(block.mapping, buffers, spans)
             fd, block_id = block.fd, block.id
@@ -157,6 +192,17 @@ def _close_all(fds) -> None:
             os.close(fds.pop())
         except OSError:
             pass
+
+
+def _address(buffer) -> int:
+    """Where a writable buffer's memory starts (-1: read-only, so never written in place)."""
+    try:
+        held = ctypes.c_char.from_buffer(buffer)
+    except TypeError:
+        return -1
+    address = ctypes.addressof(held)
+    del held  # releases the buffer
+    return address
 
 
 def _copy_into(target, buffers, spans) -> None:
@@ -261,53 +307,7 @@ class MappedBlocks:
                     self._mappings.popitem(last=False)  # views still alive keep it mapped
         else:
             self._mappings.move_to_end(block_id)
-        return view_until_released(mapping, size, self.returned.append, block_id)
-
-
-def view_until_released(mapping: mmap.mmap, size: int, on_release, *args) -> memoryview:
-    """The first ``size`` bytes of ``mapping`` as one object per lend, which every array
-    made on the returned view keeps alive: when the last of them goes, ``on_release(*args)``
-    runs (in whichever thread dropped it), and the memory can be handed out again."""
-    lent = (ctypes.c_ubyte * size).from_buffer(mapping)
-    weakref.finalize(lent, on_release, *args)
-    return memoryview(lent).cast("B")
-
-
-class RecycledBuffers:
-    """Memory for arrays a process makes for every sample and drops after the batch
-    (LeRobot's float frames, made from the uint8 ones a sandbox sends): anonymous
-    mappings handed out again once nothing views them. Under the fixed mmap threshold of
-    DataLoader workers (``config.WORKER_MMAP_THRESHOLD_KB``) each such block would be a
-    fresh mapping whose page faults are paid for every sample (measured: up to a tenth
-    of LeRobot's throughput); under glibc's sliding threshold it would come from the
-    heap, which keeps the freed pages."""
-
-    def __init__(self, max_idle_bytes: int = 256 << 20):
-        self.max_idle_bytes = max_idle_bytes
-        self._idle: dict[int, list[mmap.mmap]] = collections.defaultdict(list)
-        self._idle_bytes = 0
-        self._lock = threading.Lock()  # views may die in any thread
-
-    def buffer(self, size: int) -> memoryview:
-        """``size`` bytes, given back when every view of them is gone."""
-        with self._lock:
-            idle = self._idle.get(size)
-            mapping = idle.pop() if idle else None
-            if mapping is not None:
-                self._idle_bytes -= size
-        if mapping is None:
-            mapping = mmap.mmap(-1, max(size, 1))
-        return view_until_released(mapping, size, self._give_back, size, mapping)
-
-    def _give_back(self, size: int, mapping: mmap.mmap) -> None:
-        with self._lock:
-            if self._idle_bytes + size <= self.max_idle_bytes:
-                self._idle[size].append(mapping)
-                self._idle_bytes += size
-        # otherwise the mapping goes with its last reference
-
-    def idle_bytes(self) -> int:
-        return self._idle_bytes
+        return held_memory.view_until_released(mapping, size, self.returned.append, block_id)
 
 
 def payload_bytes(obj, depth: int = 0) -> int:
@@ -330,32 +330,6 @@ def payload_bytes(obj, depth: int = 0) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(payload_bytes(value, depth + 1) for value in obj)
     return 0
-
-
-_MADV_REMOVE = 9
-_PAGE = mmap.PAGESIZE
-
-
-def release_pages(array) -> None:
-    """Free the memory behind part of a received array that the caller has copied and
-    will not read again (PIL frames made from decoded ones, say), so the caller never
-    holds both. Only whole pages inside the array go: they are punched out of the shared
-    memfd (MADV_REMOVE; reading them again gives zeros). Memory that is not a shared
-    mapping refuses the advice, and is left as it is."""
-    start = array.__array_interface__["data"][0]
-    first = -(-start // _PAGE) * _PAGE
-    last = (start + array.nbytes) // _PAGE * _PAGE
-    if last > first:
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_REMOVE)
-
-
-_LIBC = []
-
-
-def _libc():
-    if not _LIBC:
-        _LIBC.append(ctypes.CDLL(None, use_errno=True))
-    return _LIBC[0]
 
 
 def receive_exactly(sock, size: int, deadline=None) -> bytearray:

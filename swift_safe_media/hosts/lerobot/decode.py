@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 
-from ...engine import calls as engine, transport
+from ...engine import calls as engine, held_memory
 from ...confinement import handed
 from ... import process
 from ...records import quarantine
@@ -166,7 +166,7 @@ def _as_lerobot_floats(frames):
         return (frames / 255.0).type(torch.float32)
     state = process.current()
     if state.recycled_buffers is None:
-        state.recycled_buffers = transport.RecycledBuffers()
+        state.recycled_buffers = held_memory.RecycledBuffers()
     size = frames.numel() * torch.float32.itemsize
     out = torch.frombuffer(state.recycled_buffers.buffer(size), dtype=torch.float32, count=frames.numel())
     # Converted in place, not by ``torch.div(frames, 255.0, out=out)``: that first casts the
