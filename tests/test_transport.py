@@ -1,4 +1,6 @@
-"""held_memory.RecycledBuffers: memory handed out again only once nothing views it."""
+"""held_memory.RecycledBuffers: memory handed out again only once nothing views it; the
+sandbox's SharedArena: the blocks handed back last are the ones kept, and a result written
+into a block is sent from it."""
 from __future__ import annotations
 
 import gc
@@ -7,6 +9,7 @@ import threading
 import numpy as np
 import torch
 
+from swift_safe_media.engine import transport
 from swift_safe_media.engine.held_memory import RecycledBuffers
 
 
@@ -87,3 +90,31 @@ def test_views_may_be_dropped_in_other_threads():
     assert buffers.idle_bytes() == 64 * 8192
     handed = [buffers.buffer(8192) for _ in range(64)]
     assert len({_address(view) for view in handed}) == 64 and buffers.idle_bytes() == 0
+
+
+def test_the_arena_keeps_the_blocks_handed_back_last():
+    arena = transport.SharedArena(max_idle_bytes=2 << 20)
+    small = arena.lend(1 << 20)
+    arena.take_back([small.id])
+    big = arena.lend(3 << 19)  # 2 MB: with the small one idle, over the budget
+    arena.take_back([big.id])
+    assert arena.counts() == (0, 1)
+    assert arena.lend(3 << 19).id == big.id  # the next result of that size reuses it
+    assert arena.lend(1 << 20).id not in (small.id, big.id)
+
+
+def test_a_result_written_into_a_block_is_encoded_from_it_without_a_copy():
+    arena = transport.SharedArena()
+    frames = np.frombuffer(arena.for_result(4 << 20), np.uint8)
+    frames[:] = 7
+    message, fd, owned = transport.encode(transport.RESULT, frames, arena)
+    [block] = arena._lent.values()
+    assert fd == block.fd and not owned and arena.counts() == (1, 0)
+    frames[0] = 9  # the block itself travels: what is written now is what the caller sees
+    assert block.mapping[0] == 9 and block.mapping[1] == 7
+    elsewhere = np.full(4 << 20, 3, np.uint8)  # not written in place: copied into another block
+    arena.for_result(4 << 20)
+    message, fd, owned = transport.encode(transport.RESULT, elsewhere, arena)
+    assert fd != block.fd and arena.counts() == (3, 0)  # the first, the one written, the copy
+    arena.call_ended()  # the block written but not sent is idle again
+    assert arena.counts() == (2, 1)

@@ -63,19 +63,24 @@ class _Block:
 
 
 class SharedArena:
-    """Sandbox-side pool of memfd blocks, reused once the caller hands them back."""
+    """Sandbox-side pool of memfd blocks, reused once the caller hands them back. Idle
+    blocks are kept up to ``max_idle_bytes``, the ones handed back last first: a run's
+    results are alike in size, so its next result fits the block its last one left
+    (keeping the older ones instead, transformers' pyav read of a 1080p clip's 120
+    frames after reads of other sizes paid for fresh shared pages every time: 1.26 s a
+    read against 0.90 s, measured)."""
 
     def __init__(self, max_idle_bytes: int = 1 << 30):
         self.max_idle_bytes = max_idle_bytes
-        self._idle: dict[int, list[_Block]] = {}
+        self._idle: list[_Block] = []  # the one handed back last at the end
         self._lent: dict[int, _Block] = {}
         self._writing: list[_Block] = []  # lent to the call running now (for_result)
         self._ids = itertools.count(1)
 
     def lend(self, size: int) -> _Block:
         capacity = 1 << max(20, (size - 1).bit_length())
-        idle = self._idle.get(capacity)
-        block = idle.pop() if idle else _Block(capacity, next(self._ids))
+        fits = [k for k, block in enumerate(self._idle) if block.capacity == capacity]
+        block = self._idle.pop(fits[-1]) if fits else _Block(capacity, next(self._ids))
         self._lent[block.id] = block
         return block
 
@@ -109,18 +114,15 @@ class SharedArena:
 
     def counts(self) -> tuple[int, int]:
         """(blocks lent to the caller, idle blocks kept for reuse)"""
-        return len(self._lent), sum(len(blocks) for blocks in self._idle.values())
+        return len(self._lent), len(self._idle)
 
     def take_back(self, ids) -> None:
         for block_id in ids:
             block = self._lent.pop(block_id, None)
-            if block is None:
-                continue
-            idle_bytes = sum(b.capacity for blocks in self._idle.values() for b in blocks)
-            if idle_bytes + block.capacity <= self.max_idle_bytes:
-                self._idle.setdefault(block.capacity, []).append(block)
-            else:
-                block.close()
+            if block is not None:
+                self._idle.append(block)
+        while sum(block.capacity for block in self._idle) > self.max_idle_bytes:
+            self._idle.pop(0).close()
 
 
 def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int, bool]:
