@@ -321,6 +321,27 @@ def test_a_file_size_limit_costs_no_valid_sample(clips, tmp_path):
     assert registry_paths(registry) == []  # at most a torn first line, which no reader takes
 
 
+_PYAV_FRAMES = """
+import sys, zlib
+from swift_safe_media.decoders import swift as twins
+frames = twins.load_video_hf([sys.argv[1]])[0][0]
+print(frames.shape, zlib.crc32(frames.tobytes()))
+"""
+
+
+def test_a_file_size_limit_leaves_the_pyav_loaders_frames_as_they_are(clips):
+    """The PyAV loaders write their frames into the sandbox's shared memory as they decode;
+    under a file-size limit (memfds count as files) there is none to be had, and they
+    decode into memory of their own, which the message carries: the same frames."""
+    outputs = []
+    for preexec in (None, limit_file_size):
+        done = subprocess.run([sys.executable, "-c", _PYAV_FRAMES, clips["valid"][0]], cwd=ROOT, capture_output=True,
+                              text=True, timeout=240, env=clean_environment(pythonpath=[ROOT]), preexec_fn=preexec)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout.strip())
+    assert outputs[0] == outputs[1] and outputs[0].startswith("(120, 720, 1280, 3)"), outputs
+
+
 def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(run_folder, clips, monkeypatch):
     """With no replacement allowed (``SWIFT_SAFE_MEDIA_WORKER_RESTARTS=0``; replaced workers:
     tests/test_worker_respawn.py), torch's DataLoader stops when one of its workers is killed;

@@ -12,6 +12,7 @@ runs in place.
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import logging
 import os
@@ -179,9 +180,17 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
 
 def result_buffer(size: int) -> memoryview | None:
     """In a sandbox, ``size`` bytes of shared memory for the call's result to be written
-    into (a decode's frames), sent back without a copy; elsewhere None (the caller makes
-    its own array)."""
-    return arena.for_result(size) if arena is not None else None
+    into (a decode's frames), sent back without a copy; elsewhere, or where no shared
+    memory is to be had (a file-size limit caps memfds too; a full tmpfs), None: the
+    caller makes its own array, which the reply sends as it can."""
+    if arena is None:
+        return None
+    try:
+        return arena.for_result(size)
+    except OSError as exc:
+        if exc.errno not in (errno.EFBIG, errno.ENOSPC):
+            raise
+        return None
 
 
 def _unsendable(result, exc: BaseException) -> errors.MediaDecodeError:
