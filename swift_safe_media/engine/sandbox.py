@@ -181,14 +181,16 @@ def serve(conn, memory_cap_mb: int = 0) -> None:
 def result_buffer(size: int) -> memoryview | None:
     """In a sandbox, ``size`` bytes of shared memory for the call's result to be written
     into (a decode's frames), sent back without a copy; elsewhere, or where no shared
-    memory is to be had (a file-size limit caps memfds too; a full tmpfs), None: the
-    caller makes its own array, which the reply sends as it can."""
+    memory is to be had (a file-size limit caps memfds too; a full tmpfs; no descriptor
+    left), None: the caller makes its own array, and the reply sends it as it can or
+    says whose fault it was that it could not (:func:`_unsendable`), as for any result.
+    Out of memory stays an error: the memory cap's."""
     if arena is None:
         return None
     try:
         return arena.for_result(size)
     except OSError as exc:
-        if exc.errno not in (errno.EFBIG, errno.ENOSPC):
+        if exc.errno == errno.ENOMEM:
             raise
         return None
 
