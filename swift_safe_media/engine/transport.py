@@ -3,8 +3,10 @@
 Large buffers (numpy arrays, CPU tensors, PIL pixel data) leave the pickle stream
 (pickle protocol 5, out-of-band) and travel in one anonymous memfd whose descriptor
 rides along with the message. The receiver maps it and rebuilds arrays as views on
-that mapping: one memcpy on the sending side, none on the receiving side, and
-nothing named in /dev/shm that could leak if a process is killed.
+that mapping: one memcpy on the sending side (none where the sandbox wrote the result
+into the block itself: :meth:`SharedArena.for_result`), none on the receiving side, and
+nothing named in /dev/shm that could leak if a process is killed. What the receiver
+holds afterwards is :mod:`.held_memory`'s.
 
 A sandbox lends its memfds from a :class:`SharedArena`: allocating fresh shared pages
 costs about eight times the memcpy itself (68 ms against 8 ms for 88 MB here), so a
