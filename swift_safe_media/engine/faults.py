@@ -8,8 +8,8 @@ out) never does: the call retries it in a fresh sandbox (see :mod:`.calls`).
 
 The readers here are what the kernel says about the machine:
 
-- :class:`FairClock`: the time a sandbox spent runnable but not running (the second
-  field of ``/proc/<pid>/task/<tid>/schedstat``, run-queue wait in ns) or throttled by
+- :class:`FairClock`: the time a sandbox lost to the run queue (from each thread's
+  ``/proc/<pid>/task/<tid>/schedstat``: ns on a CPU, ns runnable but not running) or to
   its cgroup's CPU quota (``cpu.stat``) is added to its timeout, up to a ceiling
   (``SWIFT_SAFE_MEDIA_TIMEOUT_CEILING`` times the timeout), so a busy node makes a
   valid decode slower, never refused, and a stuck one still ends the call.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import math
 import os
 import select
 import signal
@@ -215,23 +216,29 @@ def risen(before: dict[str, int], after: dict[str, int]) -> str | None:
 
 
 # -- fair timeouts --------------------------------------------------------------------
-def _run_queue_waits(pid: int) -> dict[int, int]:
-    """ns each thread of ``pid`` spent runnable but not running, since it started."""
-    waits = {}
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_times(pid: int, known: dict[int, float]) -> dict[int, tuple[int, int, float]]:
+    """(ns on a CPU, ns runnable but not running, CLOCK_BOOTTIME seconds it started) of
+    each thread of ``pid``; ``known`` caches the start times (they never change)."""
+    found = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return waits
-    for tid in tids:
+        return found
+    for name in tids:
+        tid = int(name)
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                waits[int(tid)] = int(stat.read().split()[1])
+                ran, waited = (int(field) for field in stat.read().split()[:2])
+            if tid not in known:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
+                    known[tid] = int(stat.read().rsplit(b")", 1)[1].split()[19]) * _TICK_S
         except (OSError, ValueError, IndexError):
             continue
-    return waits
-
-
-_TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
+        found[tid] = (ran, waited, known[tid])
+    return found
 
 
 def _stolen_ns() -> float:
@@ -240,24 +247,9 @@ def _stolen_ns() -> float:
     try:
         with open("/proc/stat", "rb") as stat:
             fields = stat.readline().split()
-        return int(fields[8]) * _TICK_NS / (os.cpu_count() or 1)
+        return int(fields[8]) * _TICK_S * 1e9 / (os.cpu_count() or 1)
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def _waits_of_threads_born_since(pid: int, boot_seconds: float, waits: dict[int, int]) -> int:
-    """The most run-queue wait (ns) of a thread of ``pid`` started after ``boot_seconds``
-    (CLOCK_BOOTTIME): a decoder's threads start with the call, so all their wait is the call's."""
-    most = 0
-    for tid, ns in waits.items():
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
-                started = int(stat.read().rsplit(b")", 1)[1].split()[19]) * _TICK_NS / 1e9
-        except (OSError, ValueError, IndexError):
-            continue
-        if started >= boot_seconds:
-            most = max(most, ns)
-    return most
 
 
 def _throttled_ns() -> int:
@@ -270,17 +262,31 @@ def _throttled_ns() -> int:
     return most
 
 
+def time_lost(waits: list[float], runs: list[float], elapsed: float) -> float:
+    """Wall time a process lost to the run queue, from each thread's wait and run time
+    over ``elapsed``. Its threads may wait side by side (the loss is the largest wait) or
+    in turn, one idle while another waits for it (the loss is their sum), so: their sum,
+    but never more than the time no thread ran (``elapsed`` less the longest run) nor less
+    than the largest wait."""
+    if not waits:
+        return 0.0
+    return max(max(waits), min(sum(waits), elapsed - max(runs)))
+
+
 class FairClock:
     """The deadline of one call in a sandbox: ``timeout`` seconds of the sandbox running
     or waiting on its file, plus the time it was kept from a CPU, at most ``ceiling``
     times the timeout in all.
 
-    Nothing is read while a call is within its timeout (a call costs no more than it did).
-    At the deadline, the kernel's counters are read twice, a short window apart: the share
-    of that window the sandbox was kept from a CPU, times the time before it, is what the
-    call lost before (or, where more, what the threads the call started lost: they are
-    counted whole); from then on what it loses is measured. Time the hypervisor stole from
-    this machine's CPUs counts as time kept from a CPU."""
+    Nothing is read in the first half of the timeout (most calls end there and cost no more
+    than they did). From then on, each thread's run-queue wait and run time are read every
+    window (20-100 ms), so a decoder's threads are seen before they end: one started since
+    the call began is counted whole, from its last reading; an older thread is counted from
+    the first reading, and its time before that is taken to have gone as its time since (the
+    share it waited, times the time before).
+    :func:`time_lost` turns the threads' times into the call's loss. Time its cgroup was
+    throttled, or that the hypervisor stole from this machine's CPUs, counts too, where
+    more."""
 
     def __init__(self, pid: int, timeout: float, ceiling: float):
         self.pid, self.timeout, self.ceiling = pid, timeout, max(ceiling, 1.0)
@@ -293,17 +299,48 @@ class FairClock:
         self.started_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
         self.deadline = self.started + self.timeout
         self.waited, self.capped = 0.0, False
-        self._mark = None  # (when, each thread's run-queue wait, throttled ns, stolen ns) at the first deadline
-        self._before_mark = 0.0  # s the threads this call started waited before the mark
+        # the first reading: half way to the deadline, while the threads a decode started still run
+        self.next_reading = self.started + self.timeout / 2 if self.ceiling > 1 else math.inf
+        self._mark = None  # (when, each thread's (run, wait), throttled ns, stolen ns) at the first reading
+        self._seen: dict[int, tuple[int, int, float]] = {}  # each thread's last reading: one that ends still counts
+        self._started_at: dict[int, float] = {}  # each thread's start (never changes)
 
-    def _kept_from_cpu_since_mark(self) -> float:
-        """Seconds since the mark the sandbox was runnable but not running, throttled, or
-        its CPU stolen by the hypervisor: the most any one of its threads was (threads wait
-        side by side, not in turn)."""
-        _, waits, throttled, stolen = self._mark
-        now_waits = _run_queue_waits(self.pid)
-        waited = max((ns - waits.get(tid, 0) for tid, ns in now_waits.items()), default=0)
-        return max(waited, _throttled_ns() - throttled, _stolen_ns() - stolen, 0) / 1e9
+    def wake_at(self) -> float:
+        """When the caller should look again: the next reading, or the deadline."""
+        return min(self.next_reading, self.deadline)
+
+    def tick(self) -> bool:
+        """At :meth:`wake_at`: a reading, and past the deadline its verdict (:meth:`extend`)."""
+        if time.monotonic() < self.deadline:
+            self._read(time.monotonic())
+            return True
+        return self.extend()
+
+    def _read(self, now: float) -> None:
+        """Each thread's times now, and the next reading a window later."""
+        self._seen.update(_thread_times(self.pid, self._started_at))
+        if self._mark is None:
+            at_mark = {tid: (ran, waited) for tid, (ran, waited, _) in self._seen.items()}
+            self._mark = (now, at_mark, _throttled_ns(), _stolen_ns())
+        self.next_reading = now + self.window
+
+    def _kept_from_cpu(self, now: float) -> float:
+        """Seconds of the call the sandbox lost to the run queue, a CPU quota or the hypervisor."""
+        marked, at_mark, throttled, stolen = self._mark
+        scale = (now - self.started) / max(now - marked, 1e-3)  # an older thread's time since the mark, whole
+        # started since the call began, to the clock tick the kernel rounds start times down to
+        begun = self.started_boot - _TICK_S
+        waits, runs = [], []
+        for tid, (ran, waited, born) in self._seen.items():
+            if born > begun:
+                waits.append(waited / 1e9)
+                runs.append(ran / 1e9)
+            else:
+                ran_before, waited_before = at_mark.get(tid, (ran, waited))
+                waits.append((waited - waited_before) / 1e9 * scale)
+                runs.append((ran - ran_before) / 1e9 * scale)
+        machine = max(_throttled_ns() - throttled, _stolen_ns() - stolen, 0) / 1e9 * scale
+        return max(time_lost(waits, runs, now - self.started), machine)
 
     def extend(self) -> bool:
         """At the deadline: move it by the time kept from a CPU so far (up to the ceiling).
@@ -311,17 +348,13 @@ class FairClock:
         now = time.monotonic()
         if self.ceiling <= 1:
             return False
-        if self._mark is None:
-            waits = _run_queue_waits(self.pid)
-            self._mark = (now, waits, _throttled_ns(), _stolen_ns())
-            self._before_mark = _waits_of_threads_born_since(self.pid, self.started_boot, waits) / 1e9
+        first = self._mark is None
+        self._read(now)
+        if first:  # nothing to compare with yet: a window more
             self.deadline = now + self.window
             return True
-        marked = self._mark[0]
-        since = self._kept_from_cpu_since_mark()
-        share = min(since / max(now - marked, 1e-3), 1.0)
         most = self.timeout * (self.ceiling - 1)
-        self.waited = min(max(share * (marked - self.started), self._before_mark) + since, most)
+        self.waited = min(self._kept_from_cpu(now), most)
         self.capped = self.waited >= most - 1e-3
         self.deadline = self.started + self.timeout + self.waited
         return self.deadline - now > 0.005

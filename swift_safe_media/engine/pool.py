@@ -335,8 +335,8 @@ def _receive(box: SandboxHandle, clock: faults.FairClock):
     never cuts one in half; the message itself gets a second more."""
     poller = select.poll()  # not select(): a trainer may hold more than 1024 descriptors
     poller.register(box.conn, select.POLLIN)
-    while not poller.poll(max(clock.deadline - time.monotonic(), 0) * 1000):
-        if not clock.extend():
+    while not poller.poll(max(clock.wake_at() - time.monotonic(), 0) * 1000):
+        if not clock.tick():
             raise TimeoutError
     return transport.receive(box.conn, max(clock.deadline, time.monotonic() + 1.0), blocks=box.blocks)
 

@@ -251,7 +251,8 @@ class Deadlines:
             if not iterator._workers_status[worker_id] or worker.pid is None:
                 continue
             mark = Mark.read(os.path.join(self.folder, str(worker.pid)))
-            if mark is None or now < mark.started + mark.timeout + GRACE_S:
+            # from half its time on, the worker's threads are read (a decoder's end before the deadline)
+            if mark is None or now < mark.started + (mark.timeout + GRACE_S) / 2:
                 continue
             key = (worker.pid, mark)
             clock = self._clocks.get(key)
@@ -260,7 +261,9 @@ class Deadlines:
                                                      config.get(config.TIMEOUT_CEILING))
                 clock.started, clock.started_boot = mark.started, mark.started_boot
                 clock.deadline = mark.started + mark.timeout + GRACE_S
-            if now >= clock.deadline and not clock.extend():
+                if clock.ceiling > 1:
+                    clock.next_reading = now
+            if now >= clock.wake_at() and not clock.tick():
                 found.append((worker_id, mark, clock))
         return found
 
