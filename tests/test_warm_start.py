@@ -74,6 +74,21 @@ def test_workers_fork_from_the_warm_forkserver_and_share_one_zygote():
 
 
 @pytest.mark.timeout(300)
+def test_workers_read_their_arguments_side_by_side_while_the_loader_goes_on():
+    """A worker's arguments (dataset, collate_fn) are written to it by a thread: ``iter``
+    returns before any worker has unpickled them (here it cannot: their unpickling waits
+    for a file created after ``iter`` returns; with CPython's own launch ``iter`` waited
+    out each worker's 20 s), and every item is as the dataset gives it."""
+    found, stderr = _run("slow_arguments")
+    assert found["context"] == "WarmForkServerContext"
+    assert found["iter_seconds"] < 10, found["iter_seconds"]
+    assert [item["index"] for item in found["items"]] == [0, 1, 2, 3]
+    assert {item["gate"] for item in found["items"]} == {"opened"}
+    assert {item["payload_bytes"] for item in found["items"]} == {2 << 20}
+    assert {item["ppid"] for item in found["items"]} == {found["forkserver"]}
+
+
+@pytest.mark.timeout(300)
 def test_workers_of_a_loader_drawn_by_lerobots_cycle_get_every_check_of_a_warm_start():
     """LeRobot's adapter chooses the start method before the worker-start checks run, so
     its workers are forked from the warm forkserver and adopt what changed after enable()

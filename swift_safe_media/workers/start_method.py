@@ -170,7 +170,12 @@ def _choose(inputs) -> Decision:
 def apply(loader, decision: Decision) -> None:
     """Write the decision to ``loader`` (once) and log its warning (once per name)."""
     if decision.writes:
-        loader.multiprocessing_context = decision.method
+        if decision.method == FORKSERVER:  # its workers unpickle side by side (.forkserver_launch)
+            from .forkserver_launch import warm_context
+
+            loader.multiprocessing_context = warm_context()
+        else:
+            loader.multiprocessing_context = decision.method
     if decision.warning is not None:
         name, message = decision.warning
         if name not in _warned:

@@ -17,7 +17,10 @@ zygote per process that enables protection).
 - ``trainer_killed``: the parent draws a few samples, so that its workers go idle, prints
   the pids of its forkserver, workers, zygote and their sandboxes, then SIGKILLs itself;
 - ``zygote_dies``: the shared zygote is killed between two calls of the parent;
-- ``what_starts``: what ``enable()`` starts, given what the host knows of the run.
+- ``what_starts``: what ``enable()`` starts, given what the host knows of the run;
+- ``slow_arguments``: a dataset whose unpickling waits for a file the parent creates only
+  once ``iter(loader)`` has returned, then reads 2 MB more (past a pipe's buffer): how long
+  ``iter`` took, the items, and the workers' parent.
 """
 
 from __future__ import annotations
@@ -201,8 +204,61 @@ def what_starts(expected):
             "sandbox_parent": call(sandbox_facts)["ppid"]}
 
 
+GATE_WAIT_S = 20
+
+
+def _wait_for(path: str) -> str:
+    """Unpickling a :class:`Gate`: wait (at most ``GATE_WAIT_S``) until ``path`` exists."""
+    deadline = time.monotonic() + GATE_WAIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "opened" if os.path.exists(path) else "timed out"
+
+
+class Gate:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return _wait_for, (self.path,)
+
+
+class SlowArguments(Dataset):
+    """Unpickled in a worker: the gate first, then the payload."""
+
+    def __init__(self, gate_path: str):
+        self.gate = Gate(gate_path)
+        self.payload = os.urandom(2 << 20)
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return {"index": index, "gate": self.gate, "payload_bytes": len(self.payload), "ppid": os.getppid()}
+
+
+def slow_arguments(_method):
+    """With the forkserver's stock launch, ``iter`` waits for each worker to read its
+    arguments, and so for the gate: GATE_WAIT_S a worker."""
+    import tempfile
+    from multiprocessing import forkserver
+
+    swift_safe_media.enable(hosts=[])
+    process.current().shared_zygote.ready.wait(120)
+    gate = os.path.join(tempfile.mkdtemp(), "gate")
+    loader = DataLoader(SlowArguments(gate), batch_size=None, num_workers=2)
+    started = time.monotonic()
+    batches = iter(loader)
+    iter_seconds = time.monotonic() - started
+    open(gate, "w").close()
+    items = list(batches)
+    return {"iter_seconds": iter_seconds, "items": items, "forkserver": forkserver._forkserver._forkserver_pid,
+            "context": type(loader.multiprocessing_context).__name__}
+
+
 if __name__ == "__main__":
     case, method = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "ours")
     cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies,
-             "lerobot_cycle": lerobot_cycle, "trainer_killed": trainer_killed, "what_starts": what_starts}
+             "lerobot_cycle": lerobot_cycle, "trainer_killed": trainer_killed, "what_starts": what_starts,
+             "slow_arguments": slow_arguments}
     print(json.dumps(cases[case](method)))
