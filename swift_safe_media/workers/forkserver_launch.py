@@ -15,14 +15,18 @@ sends the indices. What a worker reads, and when it may begin, is unchanged. A w
 before reading all of it is what it was before to torch (a worker that exited unexpectedly);
 the writer just stops.
 
-``_launch`` repeats CPython's own (the same in 3.11 to 3.13) but for that write.
+``_launch`` repeats CPython's own but for that write: the same in 3.11 to 3.13 (run here) and
+on CPython's main branch (read 2026-11-29). On a later Python, not read yet, the loader gets
+CPython's own context.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import multiprocessing
 import os
+import sys
 import threading
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 
@@ -70,8 +74,11 @@ class WarmForkServerContext(context.ForkServerContext):
 
 
 _CONTEXT = WarmForkServerContext()
+LAUNCH_READ_UP_TO = (3, 15)  # the newest Python whose popen_forkserver._launch _Popen repeats
 
 
-def warm_context() -> WarmForkServerContext:
+def warm_context():
     """The one context a DataLoader's workers from the warm forkserver start by."""
+    if sys.version_info[:2] > LAUNCH_READ_UP_TO:
+        return multiprocessing.get_context("forkserver")
     return _CONTEXT
