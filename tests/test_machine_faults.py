@@ -264,8 +264,8 @@ def test_oversubscribed_cpus_make_valid_decodes_slower_never_refused(clips, tmp_
     """K processes decode the same valid clips at once on these cores, with a timeout of
     3x the idle decode time: no decode is refused, none quarantined."""
     # Six loops of two decoder threads each: a fair clock that read the threads only at the deadline,
-    # when a decoder's threads had already ended unseen, refused 17 to 54 of these 54 decodes on
-    # 2 cores (and failed about 1 run in 5 with 4 loops).
+    # when a decoder's threads had already ended unseen, refused 17 and 29 of 54 decodes (3 rounds of
+    # these clips) in two runs on 2 cores, and failed this test about 1 run in 5 with 4 loops.
     processes = 6
     idle = idle_decode_seconds(clips["valid"])
     timeout = 3 * idle

@@ -293,10 +293,12 @@ class FairClock:
         self.window = min(0.1, max(0.02, 0.1 * timeout))
         self.restart()
 
-    def restart(self) -> None:
-        """A new call begins (the next of a ``call_each`` batch)."""
-        self.started = time.monotonic()
-        self.started_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+    def restart(self, started: float | None = None, started_boot: float | None = None) -> None:
+        """A new call begins (the next of a ``call_each`` batch): now, or at ``started``
+        (``time.monotonic()``) and ``started_boot`` (CLOCK_BOOTTIME), where another process
+        saw it begin."""
+        self.started = time.monotonic() if started is None else started
+        self.started_boot = time.clock_gettime(time.CLOCK_BOOTTIME) if started_boot is None else started_boot
         self.deadline = self.started + self.timeout
         self.waited, self.capped = 0.0, False
         # the first reading: half way to the deadline, while the threads a decode started still run
@@ -311,8 +313,9 @@ class FairClock:
 
     def tick(self) -> bool:
         """At :meth:`wake_at`: a reading, and past the deadline its verdict (:meth:`extend`)."""
-        if time.monotonic() < self.deadline:
-            self._read(time.monotonic())
+        now = time.monotonic()
+        if now < self.deadline:
+            self._read(now)
             return True
         return self.extend()
 

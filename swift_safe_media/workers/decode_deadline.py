@@ -259,10 +259,7 @@ class Deadlines:
             if clock is None:
                 clock = self._clocks[key] = FairClock(worker.pid, mark.timeout + GRACE_S,
                                                      config.get(config.TIMEOUT_CEILING))
-                clock.started, clock.started_boot = mark.started, mark.started_boot
-                clock.deadline = mark.started + mark.timeout + GRACE_S
-                if clock.ceiling > 1:
-                    clock.next_reading = now
+                clock.restart(mark.started, mark.started_boot)  # its first reading is due now
             if now >= clock.wake_at() and not clock.tick():
                 found.append((worker_id, mark, clock))
         return found
