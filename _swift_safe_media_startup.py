@@ -19,18 +19,23 @@ class _HostWatcher:
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self.pending:
-            self.pending.discard(fullname)
-            if not self.pending:
-                sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
-            try:
-                from swift_safe_media import activation
-
-                activation.on_host_imported(fullname)
-            except Exception as exc:  # never break the user's interpreter...
-                if type(exc).__name__ == "ProtectionUnavailable":
-                    raise  # ...except to stop a run that asked for protection it cannot have
-                print(f"swift_safe_media: start-up hook skipped for {fullname}: {exc!r}", file=sys.stderr)
+            self.announce(fullname)
         return None
+
+    def announce(self, host):
+        """``host`` begins importing; or, in a warm forkserver whose template imported it
+        ahead (before the trainer's settings came), it has been imported."""
+        self.pending.discard(host)
+        if not self.pending:
+            sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]
+        try:
+            from swift_safe_media import activation
+
+            activation.on_host_imported(host)
+        except Exception as exc:  # never break the user's interpreter...
+            if type(exc).__name__ == "ProtectionUnavailable":
+                raise  # ...except to stop a run that asked for protection it cannot have
+            print(f"swift_safe_media: start-up hook skipped for {host}: {exc!r}", file=sys.stderr)
 
 
 def install() -> None:

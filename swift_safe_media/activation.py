@@ -128,7 +128,7 @@ def on_host_imported(host: str) -> None:
         from .checks import preflight
         from .workers import forkserver as warm_start
 
-        warm_start.fork_ahead()  # while this process has one thread (the host's imports start some); not in a launcher
+        warm_start.fork_ahead(host)  # while this process has one thread (the host's imports start some); not in a launcher
         preflight.require([host])  # now, not after the host's imports: protection that cannot work stops at once
 
 

@@ -45,6 +45,8 @@ class ProcessState:
     # moment (CPython's rule), so workers are brought up to date (warm_start)
     forkserver_environment: dict | None = None
     forkserver_template: object = None  # forked_forkserver.Template, forked ahead, not yet the forkserver
+    in_forkserver: bool = False  # the warm forkserver itself (or its template, importing ahead), not what it forks
+    hosts_imported_ahead: tuple = ()  # in a forkserver forked ahead: hosts its template imported before its orders
     forkserver_preload_before: list | None = None  # CPython's forkserver preload before ours (warm_start.withdraw)
     # held_memory.RecycledBuffers for arrays made here per sample (LeRobot's float frames)
     recycled_buffers: object = None

@@ -1,7 +1,8 @@
 """The warm forkserver forked from the trainer (issue 45): where protection is asked for
 while the trainer has one thread (``enable()`` before the trainer's imports, or a host's
-first import under ``SWIFT_SAFE_MEDIA=1``), the forkserver is a fork of the trainer and
-shares its torch; it has one thread as it forks, its workers start with one thread and
+first import under ``SWIFT_SAFE_MEDIA=1`` or with its flag on the command line), the
+forkserver is a fork of the trainer and shares its torch (with the flag, its template
+imports the forkserver's preload while the trainer goes on to ``enable()``); it has one thread as it forks, its workers start with one thread and
 may import from threads; the trainer's thread pools are as without it. Where the trainer
 already runs a thread, the forkserver is started by exec as before. Real processes."""
 
@@ -19,14 +20,18 @@ from swift_safe_media.process import FORKSERVER_NAME
 from .fresh import ROOT, clean_environment
 
 CASES = {"forked": ([], {}), "off": ([], {config.FORKSERVER_FROM_TRAINER: "0"}),
-         "thread": (["thread"], {}), "host": (["host"], {"SWIFT_SAFE_MEDIA": "1"})}
+         "thread": (["thread"], {}), "host": (["host"], {"SWIFT_SAFE_MEDIA": "1"}),
+         "ahead": (["ahead", "--safe_media", "true"], {}), "early": (["early", "--safe_media", "true"], {})}
+AHEAD = "tests.programs.imported_ahead"  # the last of the forkserver's preload: it logs who imports it
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     """Each case's program, side by side: (its JSON, its stderr)."""
     started = {}
+    logs = tmp_path_factory.mktemp("imported_ahead")
     for case, (args, env) in CASES.items():
+        env = {**env, config.WORKER_PRELOAD: AHEAD, "IMPORTED_AHEAD_LOG": str(logs / f"{case}.jsonl")}
         environment = clean_environment({config.LOG_LEVEL: "DEBUG", **env}, warm_start=True)
         started[case] = subprocess.Popen([sys.executable, "-m", "tests.programs.forked_forkserver", *args],
                                          cwd=ROOT, env=environment, stdout=subprocess.PIPE,
@@ -51,7 +56,7 @@ def _workers_are_clean_forks_of(found: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", ["forked", "host"])
+@pytest.mark.parametrize("case", ["forked", "host", "ahead", "early"])
 def test_a_trainer_with_one_thread_forks_its_warm_forkserver(runs, case):
     found, stderr = runs[case]
     assert found["forkserver_ppid"] == found["trainer"]
@@ -60,6 +65,22 @@ def test_a_trainer_with_one_thread_forks_its_warm_forkserver(runs, case):
     assert "template of the warm forkserver forked" in stderr and "the trainer had 1 thread)" in stderr, stderr[-3000:]
     assert found["forkserver_threads"] == 1
     _workers_are_clean_forks_of(found)
+    # The preload imported once, in the forkserver; the workers found it there.
+    assert [line["pid"] for line in found["imported_ahead"]] == [found["forkserver"]], found["imported_ahead"]
+    assert {tuple(item["hosts"]) for item in found["items"]} == ({()} if case == "forked" else {("swift",)})
+
+
+@pytest.mark.timeout(300)
+def test_the_template_imports_the_forkserver_preload_while_the_trainer_goes_on(runs):
+    """``--safe_media true`` on ms-swift's command line: the template forked as ms-swift begins
+    importing imports the forkserver's preload (ms-swift's data stack, the user's modules)
+    before ``enable()`` sends its orders, under the environment of the fork; once it is the
+    forkserver, ms-swift is protected in all it forks, as if it had imported it then."""
+    found, stderr = runs["ahead"]
+    imported = found["imported_ahead"]
+    assert len(imported) == 1 and imported[0]["at"] < found["enabled_at"], (imported, found["enabled_at"])
+    assert not imported[0]["settings_came"]  # before the orders: the trainer's environment of the fork
+    assert "the warm forkserver could not import" not in stderr, stderr[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -30,6 +30,8 @@ import importlib.util
 import logging
 import os
 import pickle
+import select
+import signal
 import socket
 import struct
 import sys
@@ -51,12 +53,14 @@ _HEADER = struct.Struct("!Q")
 
 
 class Template:
-    """The trainer's end: a forked copy of the trainer waiting to become the forkserver."""
+    """The trainer's end: a forked copy of the trainer waiting to become the forkserver
+    (importing ``ahead`` meanwhile, under the environment of the fork)."""
 
-    def __init__(self, pid: int, orders: socket.socket, parent_thread_is_main: bool):
+    def __init__(self, pid: int, orders: socket.socket, parent_thread_is_main: bool, ahead=()):
         self.pid, self.orders = pid, orders
         self.parent_thread_is_main = parent_thread_is_main
         self.used = False
+        self.ahead = tuple(ahead)
 
     @contextlib.contextmanager
     def serving(self):
@@ -85,10 +89,15 @@ class Template:
         self.orders.close()
 
     def dismiss(self) -> None:
-        """Not needed after all: it exits at the end of its orders."""
+        """Not needed after all: it exits at the end of its orders (at once, or once the
+        module it is importing ahead is imported: killed if that takes long)."""
         if not self.used:
+            self.used = True
             self.orders.close()
-            process.reap(self.pid, block=False, patience=2.0)
+            if process.reap(self.pid, block=False, patience=0.2)[0] == -1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                process.reap(self.pid, block=False, patience=2.0)
 
 
 def _why_not_fork() -> str | None:
@@ -110,9 +119,11 @@ def _why_not_fork() -> str | None:
     return None
 
 
-def fork_ahead(for_hosts: bool) -> None:
+def fork_ahead(for_hosts: bool, ahead=()) -> None:
     """Fork the template now, if the trainer has one thread once torch (and, for a host's
-    run, torchvision) is imported; the trainer's thread settings are as they would have been."""
+    run, torchvision) is imported; the trainer's thread settings are as they would have been.
+    The template imports ``ahead`` while it waits (the trainer parses its arguments
+    meanwhile, seconds for a host)."""
     state = process.current()
     if state.forkserver_template is not None:
         return
@@ -121,7 +132,7 @@ def fork_ahead(for_hosts: bool) -> None:
         _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
         threads = thread_names()
         if len(threads) == 1:
-            state.forkserver_template = _fork_template()
+            state.forkserver_template = _fork_template(ahead)
             return
         why_not = f"the trainer has {len(threads)} threads ({', '.join(threads)})"
     log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
@@ -178,7 +189,7 @@ def thread_names() -> list[str]:
         return ["?"] * threading.active_count()
 
 
-def _fork_template() -> Template:
+def _fork_template(ahead) -> Template:
     orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     trainer, main = os.getpid(), threading.current_thread() is threading.main_thread()
     threads = len(thread_names())  # 1: counted again as it forks, for the log
@@ -187,17 +198,17 @@ def _fork_template() -> Template:
         code = 1
         try:
             orders.close()
-            code = _become_forkserver(theirs, trainer if main else 0)
+            code = _become_forkserver(theirs, trainer if main else 0, ahead)
         finally:
             os._exit(code)
     theirs.close()
     log.debug("swift_safe_media: template of the warm forkserver forked (pid %d, the trainer had %d thread)",
               pid, threads)
-    return Template(pid, orders, main)
+    return Template(pid, orders, main, ahead)
 
 
 # -- in the template -------------------------------------------------------------------
-def _become_forkserver(orders: socket.socket, trainer: int) -> int:
+def _become_forkserver(orders: socket.socket, trainer: int, ahead=()) -> int:
     """Wait for the forkserver's command, make this process what its exec would have made,
     run it. Returns the exit code (this copy of the trainer never returns into its code)."""
     atexit._clear()  # the trainer's: they are not this process's to run
@@ -207,6 +218,7 @@ def _become_forkserver(orders: socket.socket, trainer: int) -> int:
     keep = orders.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
+    _import_while_waiting(orders, ahead)
     try:
         header, fds, _, _ = socket.recv_fds(orders, _HEADER.size, 64)
         if len(header) < _HEADER.size:
@@ -243,6 +255,48 @@ def _become_forkserver(orders: socket.socket, trainer: int) -> int:
     return code
 
 
+def _import_while_waiting(orders: socket.socket, names) -> None:
+    """Import the forkserver's preload (``names``) before its orders come: the trainer goes
+    on meanwhile to the ``enable()`` that sends them. Stops as the orders come (or the
+    trainer dismisses it): the forkserver's own preload imports the rest. Under pools of one
+    thread, as there; the orders bring the environment back."""
+    from ..engine import zygote_start
+
+    if not names:
+        return
+    # What the forkserver will be, already: a host's hooks that run as its modules load (its
+    # flags read from the command line, say) must not take this process for a new run.
+    process.current().in_forkserver = True
+    sys.argv[:] = ["-c"]
+    os.environ.update(quiet_import_environment())
+    hosts = [host for host in _hosts_watched() if host not in sys.modules]
+    try:
+        for name in names:
+            if select.select([orders], [], [], 0)[0]:
+                return
+            try:
+                zygote_start.load(name)
+            except Exception as exc:  # the forkserver's preload meets it again, and says so
+                log.debug("swift_safe_media: %s not imported ahead: %r", name, exc)
+        # What the forkserver does once it has imported (0.3 s of LLaMA-Factory's objects),
+        # done here while the trainer still goes on: its own collection then finds little.
+        gc.collect()
+        gc.freeze()
+    finally:
+        # The start-up hook saw none of these begin here (it had, in the trainer): the
+        # forkserver turns them on once it has the trainer's settings (forkserver.preload_in_forkserver).
+        process.current().hosts_imported_ahead = tuple(host for host in hosts if host in sys.modules)
+
+
+def quiet_import_environment() -> dict:
+    """Thread pools of one thread for what imports now: a pool started at import would leave
+    the process unsafe to fork. pyarrow (under datasets and LeRobot) starts jemalloc's
+    purging thread as it loads, unless told not to."""
+    quiet = {name: "1" for name in config.THREAD_ENV_VARS}
+    quiet["JE_ARROW_MALLOC_CONF"] = os.environ.get("JE_ARROW_MALLOC_CONF") or "background_thread:false"
+    return quiet
+
+
 def _leave_the_trainers_import() -> None:
     """The fork point is inside the host's first import, under the import lock and the
     host package's module lock: the forkserver's main thread would hold them for good, and
@@ -265,12 +319,26 @@ def _watch_the_hosts_again() -> None:
     forkserver started by exec sees it begin in its own imports (and so enables its
     patches for all it forks): so must this copy."""
     watcher = getattr(sys, "_swift_safe_media_watcher", None)
-    hosts = getattr(sys.modules.get("_swift_safe_media_startup"), "_HOSTS", ())
+    hosts = _hosts_watched()
     if watcher is None or not hasattr(watcher, "pending"):
         return
     watcher.pending = {host for host in hosts if host not in sys.modules}
     if watcher.pending and watcher not in sys.meta_path:
         sys.meta_path.insert(0, watcher)
+
+
+def _hosts_watched() -> tuple:
+    """The host packages whose first import the start-up hook watches for."""
+    return tuple(getattr(sys.modules.get("_swift_safe_media_startup"), "_HOSTS", ()))
+
+
+def announce_hosts_imported_ahead() -> None:
+    """In the warm forkserver, once it is one: what the start-up hook does as a host begins
+    importing, for the hosts its template imported ahead."""
+    watcher = getattr(sys, "_swift_safe_media_watcher", None)
+    hosts, process.current().hosts_imported_ahead = process.current().hosts_imported_ahead, ()
+    for host in hosts if hasattr(watcher, "announce") else ():
+        watcher.announce(host)
 
 
 def _place(fds: list[int], targets: list[int]) -> None:

@@ -6,9 +6,13 @@ thread): its warm forkserver is forked from it.
 trainer's pid, the forkserver's pid, parent, command line and threads, torch's and
 OpenBLAS's thread counts in the trainer, and what each of two DataLoader workers saw
 (its parent, its threads at start, the forkserver's thread count as it forked, a sample
-decoded in a sandbox, whether a thread of its could import a module). CASE ``thread``:
-the trainer starts a thread first; ``host``: protection is turned on by importing ms-swift
-under ``SWIFT_SAFE_MEDIA=1`` (the fork happens inside that import) instead of ``enable()``.
+decoded in a sandbox, whether a thread of its could import a module, the hosts protected
+there). CASE ``thread``: the trainer starts a thread first; ``host``: protection is turned
+on by importing ms-swift under ``SWIFT_SAFE_MEDIA=1`` (the fork happens inside that import)
+instead of ``enable()``; ``ahead --safe_media true``: ms-swift's flag on the command line (the
+fork happens inside its first import), ``enable()`` once the forkserver's template has
+imported ``tests.programs.imported_ahead``, the last of its preload, as ms-swift's parser
+would call it seconds later; ``early --safe_media true``: the same, ``enable()`` at once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 import swift_safe_media
 from swift_safe_media import call
 from swift_safe_media.engine.zygote_start import PARENT_THREADS_ENV
+from swift_safe_media.patching import host_adapters
 
 from tests import sandboxed
 
@@ -41,14 +46,23 @@ class Samples:  # torch is imported after enable(), in main()
         importer.join(20)  # a forkserver holding the import lock it was forked under: for ever
         return {"index": index, "ppid": os.getppid(), "threads": started, "thread_imported": not importer.is_alive(),
                 "forkserver_threads": os.environ.get(PARENT_THREADS_ENV),
-                "sandbox": call(sandboxed.process_facts)["pid"]}
+                "sandbox": call(sandboxed.process_facts)["pid"], "hosts": sorted(host_adapters.enabled_hosts())}
 
 
 def main():
     if sys.argv[1:] == ["thread"]:
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    enabled_at = None
     if sys.argv[1:] == ["host"]:
         import swift  # noqa: F401 (the start-up hook turns protection on as it begins importing)
+    elif sys.argv[1:2] in (["ahead"], ["early"]):
+        import swift  # noqa: F401,F811 (the start-up hook forks the template as it begins importing)
+
+        waited = time.monotonic() + 120
+        while sys.argv[1] == "ahead" and not _imported_ahead() and time.monotonic() < waited:
+            time.sleep(0.05)
+        enabled_at = time.monotonic()
+        swift_safe_media.enable(hosts=["swift"])
     else:
         swift_safe_media.enable()
     from multiprocessing import forkserver
@@ -72,7 +86,16 @@ def main():
         "trainer_command": open("/proc/self/cmdline", "rb").read().decode().split("\0")[:-1],
         "forkserver_threads": threads(server), "torch_threads": torch.get_num_threads(),
         "pools": sorted((pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()),
-        "items": items}, default=str))
+        "items": items, "enabled_at": enabled_at, "imported_ahead": _imported_ahead()}, default=str))
+
+
+def _imported_ahead() -> list[dict]:
+    """The lines tests.programs.imported_ahead wrote (none without that log)."""
+    try:
+        with open(os.environ["IMPORTED_AHEAD_LOG"]) as log:
+            return [json.loads(line) for line in log]
+    except (KeyError, OSError):
+        return []
 
 
 if __name__ == "__main__":
