@@ -82,8 +82,8 @@ def start(hosts) -> None:
 def fork_ahead(host: str) -> None:
     """As ``host`` begins importing with protection asked for on its command line: fork the
     forkserver's template while the trainer has one thread; ``enable()`` uses it later.
-    Meanwhile the template imports what the forkserver would (LLaMA-Factory's data stack:
-    2 s, while the trainer reads its YAML and loads its tokenizer, not after)."""
+    Meanwhile the template imports what the forkserver would (LLaMA-Factory's data stack,
+    2 s, while the trainer imports the rest of LLaMA-Factory and reads its YAML: not after)."""
     if config.get(config.WARM_START) and _forkserver_wanted():
         forked_forkserver.fork_ahead(for_hosts=True, ahead=worker_preload([host]))
 
