@@ -56,13 +56,12 @@ _HEADER = struct.Struct("!Q")
 
 class Template:
     """The trainer's end: a forked copy of the trainer waiting to become the forkserver
-    (importing ``ahead`` meanwhile, under the environment of the fork)."""
+    (importing the forkserver's preload meanwhile, where it was given it)."""
 
-    def __init__(self, pid: int, orders: socket.socket, parent_thread_is_main: bool, ahead=()):
+    def __init__(self, pid: int, orders: socket.socket, parent_thread_is_main: bool):
         self.pid, self.orders = pid, orders
         self.parent_thread_is_main = parent_thread_is_main
         self.used = False
-        self.ahead = tuple(ahead)
 
     @contextlib.contextmanager
     def serving(self):
@@ -96,7 +95,7 @@ class Template:
         if not self.used:
             self.used = True
             self.orders.close()
-            if process.reap(self.pid, block=False, patience=0.2)[0] == -1:
+            if not process.collected(self.pid, patience=0.2):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
                 process.reap(self.pid, block=False, patience=2.0)
@@ -206,7 +205,7 @@ def _fork_template(ahead) -> Template:
     theirs.close()
     log.debug("swift_safe_media: template of the warm forkserver forked (pid %d, the trainer had %d thread)",
               pid, threads)
-    return Template(pid, orders, main, ahead)
+    return Template(pid, orders, main)
 
 
 # -- in the template -------------------------------------------------------------------
@@ -337,9 +336,12 @@ def _hosts_watched() -> tuple:
 def announce_hosts_imported_ahead() -> None:
     """In the warm forkserver, once it is one: what the start-up hook does as a host begins
     importing, for the hosts its template imported ahead."""
+    state = process.current()
+    hosts, state.hosts_imported_ahead = state.hosts_imported_ahead, ()
     watcher = getattr(sys, "_swift_safe_media_watcher", None)
-    hosts, process.current().hosts_imported_ahead = process.current().hosts_imported_ahead, ()
-    for host in hosts if hasattr(watcher, "announce") else ():
+    if not hasattr(watcher, "announce"):  # no start-up hook here (SWIFT_SAFE_MEDIA_STARTUP_HOOK=0)
+        return
+    for host in hosts:
         watcher.announce(host)
 
 
