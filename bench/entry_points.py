@@ -1,9 +1,10 @@
 """The cost of bounding the libraries' entry points (issue 32), measured side by side.
 
-1. Each entry point run whole in the sandbox (what protection does: a confined sandbox per
-   call where stock opens its file by name; on another file than the last call's, and on the
-   same file again, where the sandbox is kept) against stock in this process and against a
-   pooled sandbox reused call after call (before issue 42): median wall time of
+1. Each entry point run whole in the sandbox (what protection does where stock opens its file
+   by name: a pooled confined sandbox whose opens the caller answers, issue 45; on another
+   file than the last call's) against stock in this process, against a confined sandbox per
+   call on another file (``SWIFT_SAFE_MEDIA_OPEN_BROKER=0``, what older kernels get) and against
+   a pooled unconfined sandbox reused call after call (before issue 42): median wall time of
    alternating calls after one warm-up call of each, with the spread.
 2. What a proxy at the library boundary would pay instead: one round trip to the sandbox
    per method call of an object-shaped opener (``decord.VideoReader``: ``len``, fps, then
@@ -50,11 +51,27 @@ def cases(corpus):
     ]
 
 
+def _pools():
+    """This process's pool for calls by name (brokered where the kernel can) and a second one
+    that gets a sandbox per call, as without the broker."""
+    from swift_safe_media import process
+    from swift_safe_media.engine import calls as engine
+    from swift_safe_media.engine.pool import SandboxPool
+    from swift_safe_media.engine.zygote_link import for_this_process
+
+    brokered = engine.get_engine(engine.BY_NAME)
+    os.environ["SWIFT_SAFE_MEDIA_OPEN_BROKER"] = "0"
+    try:
+        per_call = SandboxPool(engine.BY_NAME, for_this_process())
+    finally:
+        del os.environ["SWIFT_SAFE_MEDIA_OPEN_BROKER"]
+    return process.current().engines, brokered, per_call
+
+
 def median_columns(call, media, repeats):
-    """Stock here; in the sandbox as protection runs it (a confined sandbox per call where
-    stock opens its file by name, issue 42), on another file each call (two copies, taken in
-    turn: a fresh sandbox each time) and on the same file again (the sandbox kept for it,
-    engine/per_call.py); in a pooled sandbox reused call after call (what it was before: the
+    """Stock here; in the sandbox as protection runs it, on another file each call (two
+    copies, taken in turn); the same in a sandbox per call (the other copy: a fresh sandbox
+    each time); in a pooled sandbox reused call after call (what it was before issue 42: the
     unconfined pool). Alternating, after a warm-up of each: (median, least, most) of each."""
     import shutil
 
@@ -65,20 +82,22 @@ def median_columns(call, media, repeats):
     copies = [media, f"{stem}-copy{suffix}"]
     shutil.copyfile(media, copies[1])
     by_name = engine.by_name
+    pools, brokered, per_call = _pools()
 
-    def timed(patched, path, pooled=False):
+    def timed(patched, path, pool=brokered, pooled=False):
         (media_patches.PATCHES.patch if patched else media_patches.PATCHES.unpatch)()
         engine.by_name = (lambda runs_ffmpeg=False, files=(): False) if pooled else by_name
+        pools[engine.BY_NAME] = pool
         start = time.perf_counter()
         try:
             call(path)
         finally:
-            engine.by_name = by_name
+            engine.by_name, pools[engine.BY_NAME] = by_name, brokered
         return time.perf_counter() - start
 
     def one_round(turn):
-        fresh = timed(True, copies[turn % 2])  # the other copy than the last call's: a new sandbox
-        return timed(False, media), fresh, timed(True, copies[turn % 2]), timed(True, media, pooled=True)
+        ours = timed(True, copies[turn % 2])  # the other copy than the last call's
+        return timed(False, media), ours, timed(True, copies[(turn + 1) % 2], per_call), timed(True, media, pooled=True)
 
     one_round(1)  # warm-up: imports, sandboxes, numba, file cache
     rounds = [one_round(turn) for turn in range(repeats)]
@@ -122,14 +141,14 @@ def main():
     with tempfile.TemporaryDirectory() as folder:
         corpus = media_corpus.build(folder)
         ssm.enable(timeout=120)
-        print("| entry point | stock, in process | a sandbox per call, another file (now) | ratio | "
-              "the same file again (kept sandbox) | ratio | a pooled sandbox (before) | ratio |\n"
+        print("| entry point | stock, in process | ours, another file (brokered where it can) | ratio | "
+              "a sandbox per call, another file | ratio | a pooled unconfined sandbox (before issue 42) | ratio |\n"
               "|---|---|---|---|---|---|---|---|")
         for name, media, call in cases(corpus):
-            (stock, *_), (ours, low, high), (kept, *_), (pooled, *_) = median_columns(call, media, args.repeats)
+            (stock, *_), (ours, low, high), (fresh, f_low, f_high), (pooled, *_) = median_columns(call, media, args.repeats)
             print(f"| {name} | {stock * 1e3:.1f} ms | {ours * 1e3:.1f} ms [{low * 1e3:.1f}-{high * 1e3:.1f}] | "
-                  f"{ours / stock:.2f}x | {kept * 1e3:.1f} ms | {kept / stock:.2f}x | {pooled * 1e3:.1f} ms | "
-                  f"{pooled / stock:.2f}x |")
+                  f"{ours / stock:.2f}x | {fresh * 1e3:.1f} ms [{f_low * 1e3:.1f}-{f_high * 1e3:.1f}] | "
+                  f"{fresh / stock:.2f}x | {pooled * 1e3:.1f} ms | {pooled / stock:.2f}x |")
         one = round_trip(args.repeats)
         print(f"\nproxy at the library boundary: one round trip returning a 720p frame {one * 1e3:.2f} ms; "
               f"a 16-frame decord read through a proxy: 18 round trips, about {one * 18 * 1e3:.1f} ms "

@@ -107,6 +107,8 @@ def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float,
         env["SWIFT_SAFE_MEDIA_READ_ROOTS"] = str(folder)
     if name.endswith("exec"):  # the warm forkserver started by exec, as before issue 45
         env["SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER"] = "0"
+    if name.endswith("per-call"):  # a sandbox per read, as before the open broker
+        env["SWIFT_SAFE_MEDIA_OPEN_BROKER"] = "0"
     pipeline = _bench("pipeline")
     command = [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "--run", str(config)]
     returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
@@ -127,13 +129,16 @@ def main():
                         help="a third side: protected, with the dataset's folder in SWIFT_SAFE_MEDIA_READ_ROOTS")
     parser.add_argument("--exec", action="store_true",
                         help="a side more: protected, the warm forkserver started by exec (not forked from the trainer)")
+    parser.add_argument("--per-call", action="store_true",
+                        help="a side more: protected, a sandbox per read (SWIFT_SAFE_MEDIA_OPEN_BROKER=0)")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one side, inside LLaMA-Factory's interpreter
     args = parser.parse_args()
     if args.run:
         return run_cli(args.run)
     if not (VENV / "bin" / "llamafactory-cli").exists():
         sys.exit(f"{VENV} is missing: `make test` builds it")
-    names = ["stock", "ours"] + (["ours-roots"] if args.roots else []) + (["ours-exec"] if args.exec else [])
+    names = ["stock", "ours"] + (["ours-roots"] if args.roots else []) + (["ours-exec"] if args.exec else []) + \
+        (["ours-per-call"] if args.per_call else [])
     report = _bench("lerobot_train")
     load = report.load
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)

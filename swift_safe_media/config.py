@@ -126,6 +126,10 @@ START_TIMEOUT = _declare("SWIFT_SAFE_MEDIA_START_TIMEOUT", FLOAT, DEFAULT_START_
 # Confinement of the decode sandboxes (confine.py).
 CONFINE = _declare("SWIFT_SAFE_MEDIA_CONFINE", SWITCH, True,
                    "`0`: decode sandboxes run unconfined (see Confinement)")
+OPEN_BROKER = _declare("SWIFT_SAFE_MEDIA_OPEN_BROKER", SWITCH, True,
+                       "code that opens its media by name (stock's loaders, LLaMA-Factory's readers) runs in a "
+                       "pooled confined sandbox whose opens of the call's own files the caller answers "
+                       "(Linux >= 5.14); `0`: a sandbox per call, confined for its files")
 READ_ROOTS = _declare("SWIFT_SAFE_MEDIA_READ_ROOTS", TEXT, None,  # os.pathsep-separated, like PATH
                       "`os.pathsep`-separated folders a confined sandbox may read besides the media handed "
                       "to it and what the decoding libraries need")
@@ -287,6 +291,11 @@ def read_roots() -> list[str] | None:
     decoding libraries need (``/``: anywhere)."""
     raw = get(READ_ROOTS) or ""
     return [os.path.abspath(os.path.expanduser(root.strip())) for root in raw.split(os.pathsep) if root.strip()]
+
+
+def open_broker() -> bool:
+    """Whether opens by name are brokered by the caller (else a sandbox per call)."""
+    return get(OPEN_BROKER)
 
 
 def mp_context() -> str:

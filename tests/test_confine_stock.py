@@ -1,9 +1,12 @@
 """Confinement without exceptions (issue 42): the sandboxes that run stock's own code,
-which opens its media by name, are confined as the twins' are. A call of such code gets
-a sandbox of its own, confined as the call begins with one more Landlock rule: read access
-to the files handed with the call (``engine.BY_NAME``). Real attacks from stand-ins of
-the library openers (:mod:`tests.exploit_standin`): a live loopback listener, /bin/sh, a
-write, a token file under ``$HOME``, ``/etc/shadow``, the trainer's environment."""
+which opens its media by name, are confined as the twins' are, and may read the files
+handed with the call, by name, and no other media (``engine.BY_NAME``). Where the kernel
+can (Linux >= 5.14), one pooled sandbox serves call after call and its caller answers its
+opens (``confinement/broker.py``, issue 45); else (``SWIFT_SAFE_MEDIA_OPEN_BROKER=0`` here) a
+call gets a sandbox of its own, confined as the call begins with one more Landlock rule per
+file. Real attacks from stand-ins of the library openers (:mod:`tests.exploit_standin`): a
+live loopback listener, /bin/sh, a write, a token file under ``$HOME``, ``/etc/shadow``, the
+trainer's environment."""
 
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import time
 
 import pytest
 
-from swift_safe_media import MediaDecodeError
-from swift_safe_media.confinement import policy as confine
+from swift_safe_media import MediaDecodeError, MediaDecodeTimeout
+from swift_safe_media.confinement import broker, policy as confine
 from swift_safe_media.engine import calls as engine
 
 from . import exploit_standin
@@ -82,12 +85,28 @@ def read_then_attack(media_path):
     return head, exploit_standin.attack()
 
 
-def test_a_call_by_name_reads_its_own_file_and_nothing_else(video, targets, fresh_engine):
+@pytest.fixture
+def per_call(monkeypatch):
+    """Opens by name not brokered: a sandbox per call, as on a kernel before 5.14."""
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_OPEN_BROKER", "0")
+
+
+@pytest.fixture(params=["brokered", "per call"])
+def either_way(request, monkeypatch):
+    if request.param == "per call":
+        monkeypatch.setenv("SWIFT_SAFE_MEDIA_OPEN_BROKER", "0")
+    elif broker.why_not():
+        pytest.skip(broker.why_not())
+    return request.param
+
+
+def test_a_call_by_name_reads_its_own_file_and_nothing_else(video, targets, fresh_engine, either_way):
     head, attacks = engine.call(read_then_attack, video, confine=engine.BY_NAME)
     assert head == open(video, "rb").read(8)
     assert_all_refused(attacks, targets)
-    # The next call's sandbox is a new one: the file handed before is not readable there.
-    # A call handed another file may not read this one.
+    assert engine.get_engine(engine.BY_NAME).brokered is (either_way == "brokered")
+    # The next call (in the same sandbox where brokered, in a new one per call) may not read
+    # the file handed before: a call handed another file may not read this one.
     with pytest.raises(MediaDecodeError) as caught:
         engine.call(read_then_attack, video, path="/datasets/other.mp4", confine=engine.BY_NAME)
     assert caught.value.path == "/datasets/other.mp4" and "sandbox refused a file access" in str(caught.value)
@@ -101,7 +120,7 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def test_a_sandbox_by_name_serves_the_next_call_on_the_same_files_only(video, tmp_path, fresh_engine):
+def test_a_sandbox_by_name_serves_the_next_call_on_the_same_files_only(video, tmp_path, fresh_engine, per_call):
     """A host reads one file several times in a row (LLaMA-Factory: a row's frames, its
     stream metadata, its audio): the sandbox confined for those files is kept for the next
     call on exactly them; a call on any other set of files gets one of its own, and the
@@ -157,7 +176,7 @@ def ticks_since_boot() -> float:
 
 
 def test_the_next_calls_sandbox_is_forked_ahead_and_follows_the_environment(video, tmp_path, fresh_engine,
-                                                                            monkeypatch):
+                                                                            monkeypatch, per_call):
     """A call by name on other files takes a sandbox forked while the call before it ran
     (the fork of a zygote full of imports is off the call's path); a sandbox forked, or
     kept for the same files, before the sandbox's environment changed is ended, never used."""
@@ -262,14 +281,16 @@ def test_stock_code_behind_the_entry_points_is_confined_and_still_decodes(video,
 def test_cli_and_doctor_list_each_decode_path_confined_or_why_not():
     done = run_python(module="swift_safe_media.cli", args=["confinement"], timeout=240)
     paths = json.loads(done.stdout)["decode_paths"]
-    by_name = "confined: a sandbox per call, which may read the call's own files by name"
+    by_name = "confined: it may read the call's own files by name, no other media"
+    how = f" (a sandbox per call: {broker.why_not()})" if broker.why_not() else \
+        " (a pooled sandbox, its opens of them answered by the caller)"
     for name in ("transformers.video_utils.load_video", "transformers.audio_utils.load_audio",
                  "keye_vl_utils.vision_process.fetch_video", "soundfile.read", "torchaudio.load",
                  "torchvision.io.video.read_video", "LLaMA-Factory's mm_plugin readers"):
-        assert paths[name] == by_name, (name, paths)
+        assert paths[name] == by_name + how, (name, paths)
     for name in ("whisper.audio.load_audio", "librosa.core.audio.load", "minicpmo.utils.get_video_frame_audio_segments"):
-        assert paths[name] == by_name + (", run the ffmpeg program (its loader too: what runs stays confined) and "
-                                         "write in a folder of its own"), (name, paths)
+        assert paths[name] == by_name + (" (a sandbox per call); it may run the ffmpeg program (its loader too: what "
+                                         "runs stays confined) and write in a folder of its own"), (name, paths)
     assert [name for name, how in paths.items() if how.startswith("not")] == []
     assert paths["a LeRobot dataset streamed from the Hub"].startswith("confined but for connecting out: "), paths
     from swift_safe_media.checks import doctor

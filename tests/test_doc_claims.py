@@ -54,8 +54,8 @@ CLAIMS = {
                       "the parity test compares each plugin's outputs",
         "tests": ["tests/test_llamafactory_parity.py::test_every_llamafactory_media_read_is_stock_bit_for_bit"],
     },
-    "**Decoding** moves into sandbox processes (one kept per DataLoader worker; stock code that opens its file by "
-    "name gets one per call), forked in milliseconds from a clean zygote and confined: no network, no exec, no file writes, reads limited to the media handed to it, no token of "
+    "**Decoding** moves into sandbox processes (one kept per DataLoader worker; where stock code opens its file by "
+    "name, its caller answers those opens, or on kernels before 5.14 it gets one per call), forked in milliseconds from a clean zygote and confined: no network, no exec, no file writes, reads limited to the media handed to it, no token of "
     "the trainer's environment, output and replies that cannot reach the trainer.": {
         "exceptions": "none here: the next sentence lists them (\"The exceptions, listed in [confinement]\")",
         "tests": ["tests/test_confine_attack.py::test_network_sockets_cannot_be_opened",
@@ -67,7 +67,8 @@ CLAIMS = {
                   "tests/test_reply_unpickler.py::test_a_crafted_reply_is_refused_and_runs_nothing_in_the_caller",
                   "tests/test_engine.py::test_dataloader_workers_each_get_a_sandbox",
                   "tests/test_confine_stock.py::test_a_call_by_name_reads_its_own_file_and_nothing_else",
-                  "tests/test_confine_stock.py::test_every_kind_of_sandbox_forks_from_one_zygote"],
+                  "tests/test_confine_stock.py::test_every_kind_of_sandbox_forks_from_one_zygote",
+                  "tests/test_open_broker.py::test_attacks_are_refused_in_a_sandbox_that_served_calls_before"],
     },
     "The loaders are replaced by twins (torchcodec, PyAV, soundfile; not decord or audioread) with stock's frames "
     "and samples, bit for bit, except where [docs/media-parity.md](docs/media-parity.md) says; the other decodes a "
@@ -148,6 +149,13 @@ ENGINE_CLAIMS = {
         "tests": ["tests/test_own_decoders_bounded.py::test_skip_bad_samples_replaces_the_sample_the_same_way_everywhere",
                   "tests/test_own_decoders_bounded.py::"
                   "test_an_error_the_dataset_lets_through_reaches_the_training_loop_as_itself"],
+    },
+    "`confine=ssm.BY_NAME` (`@ssm.isolated(timeout=30, confine=ssm.BY_NAME)`): the call may also open its own files "
+    "by name (the path argument, `path=`), and no other media.": {
+        "exceptions": "none: other files by name are refused whichever way the sandbox is had (brokered or one per "
+                      "call); files beneath SWIFT_SAFE_MEDIA_READ_ROOTS are the documented widening, next in the list",
+        "tests": ["tests/test_confine_stock.py::test_a_call_by_name_reads_its_own_file_and_nothing_else",
+                  "tests/test_open_broker.py::test_one_sandbox_serves_calls_on_other_files_each_reading_only_its_own"],
     },
     "Nothing here confines the decode: a hostile file can reach what the worker can; "
     "`@ssm.isolated(confine=ssm.BY_NAME)` confines.": {

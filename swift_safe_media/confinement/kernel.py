@@ -165,6 +165,12 @@ class SeccompFilter:
                     os.close(end)
 
 
+def filter_program(program: bytes) -> tuple:
+    """A filter as the kernel takes it, and the buffer that holds it (keep both)."""
+    buffer = ctypes.create_string_buffer(program, len(program))
+    return buffer, SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
+
+
 def create_landlock_ruleset(abi: int, handled_fs: int, handled_net: int, scoped: int) -> int:
     attr = (ctypes.c_uint64 * 3)(handled_fs, handled_net, scoped)
     return syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(RULESET_ATTR_SIZE.get(abi, 24)),

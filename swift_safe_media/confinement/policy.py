@@ -104,11 +104,9 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
         try:
             policy.seccomp_program = build_seccomp_program()
             policy.seccomp_number = syscall_numbers()["seccomp"]
-            program = policy._program_buffer = ctypes.create_string_buffer(
-                policy.seccomp_program, len(policy.seccomp_program))
-            policy._fprog = kernel.SockFprog(len(policy.seccomp_program) // 8, ctypes.cast(program, ctypes.c_void_p))
-            policy.network_programs = _filter(build_seccomp_program(network=True))
-            policy.exec_programs = _filter(build_seccomp_program(programs=True))
+            policy._program_buffer, policy._fprog = kernel.filter_program(policy.seccomp_program)
+            policy.network_programs = kernel.filter_program(build_seccomp_program(network=True))
+            policy.exec_programs = kernel.filter_program(build_seccomp_program(programs=True))
         except (OSError, KeyError) as exc:
             problem = f"seccomp filter not built: {exc}"
     if problem:
@@ -123,12 +121,6 @@ def prepare(read_roots: list[str] | None = None, extra_readable=()) -> Policy:
         except OSError as exc:
             policy.missing.append(f"Landlock ruleset not built: {exc}")
     return policy
-
-
-def _filter(program: bytes) -> tuple:
-    """A filter as the kernel takes it, and the buffer that holds it."""
-    buffer = ctypes.create_string_buffer(program, len(program))
-    return buffer, kernel.SockFprog(len(program) // 8, ctypes.cast(buffer, ctypes.c_void_p))
 
 
 def _rights(table, abi: int) -> int:

@@ -30,6 +30,7 @@ import pickle
 import sys
 import types
 
+from ..confinement import broker as confine_broker
 from ..engine import calls as engine
 from ..errors import MediaDecodeError, decode_failure
 from ..patching.targets import original_of
@@ -168,9 +169,9 @@ def _is_url(label: str | None) -> bool:
 
 
 # How each entry point's sandbox is confined, by dotted name (``swift-safe-media confinement``).
-CONFINED_BY_NAME = "confined: a sandbox per call, which may read the call's own files by name"
-CONFINED_RUNNING_FFMPEG = (CONFINED_BY_NAME + ", run the ffmpeg program (its loader too: what runs stays "
-                           "confined) and write in a folder of its own")
+CONFINED_BY_NAME = "confined: it may read the call's own files by name, no other media"
+CONFINED_RUNNING_FFMPEG = (CONFINED_BY_NAME + " (a sandbox per call); it may run the ffmpeg program (its loader "
+                           "too: what runs stays confined) and write in a folder of its own")
 DECODE_PATHS: dict[str, str] = {}
 
 
@@ -326,7 +327,10 @@ def decode_paths(confined: bool, reads_limited: bool) -> dict[str, str]:
     confinement``, ``doctor``)."""
     if not confined:
         return {"every decode path": "not confined: SWIFT_SAFE_MEDIA_CONFINE=0"}
-    by_name = CONFINED_BY_NAME if reads_limited else "confined; reads are not limited here"
+    why_not = confine_broker.why_not()
+    by_name = CONFINED_BY_NAME + (f" (a sandbox per call: {why_not})" if why_not else
+                                  " (a pooled sandbox, its opens of them answered by the caller)")
+    by_name = by_name if reads_limited else "confined; reads are not limited here"
     return {
         "the twins (ms-swift's and the Qwen utils' loaders, LeRobot's decode)":
             "confined: the media handed as open descriptors",

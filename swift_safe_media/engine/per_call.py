@@ -1,5 +1,13 @@
-"""Sandboxes that serve one call each (``BY_NAME``, ``PROGRAMS``): the next one forked
-ahead, and the last one kept for the next call on the same files.
+"""Sandboxes for code that opens its media by name (``BY_NAME``, ``PROGRAMS``): brokered ones,
+pooled, where the kernel can (``BY_NAME``: :func:`brokered_sandbox`, :func:`listening`), else
+sandboxes that serve one call each: the next one forked ahead, and the last one kept for the
+next call on the same files.
+
+A brokered sandbox is confined as it starts, no media readable, and sends its caller the
+listener of its opens by name (:mod:`..confinement.broker`); the caller answers them during
+each call, handing the sandbox its own copy of a file handed with that call, so that call may
+read what a sandbox per call could (its files, no file more) in a sandbox that served the calls
+before it.
 
 Such a sandbox is confined as its call begins, with read rules for exactly that call's
 files (:func:`.sandbox.confine_then_call`). Its cost is the fork and, mostly, the first
@@ -18,9 +26,99 @@ a call against a pooled sandbox. Two things take it off the call's path:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import select
+import time
+
 from .. import config
+from ..confinement import broker as confine_broker
 from .sandbox_kinds import imports_before_fork
 from .zygote import spawn_request
+
+log = logging.getLogger("swift_safe_media")
+
+
+def brokered_sandbox(zygote, deadline: float):
+    """A pooled sandbox for calls by name, its opens to be answered by this process."""
+    return zygote.spawn(config.max_memory_mb(), deadline, True, imports_before_fork(), os.getpid())
+
+
+# A brokered sandbox runs code we do not own call after call: code that leaves a file open
+# each call (a sandbox per call never noticed) would run it out of descriptors. It is replaced
+# once it holds this many (some 20 after its first call).
+MOST_DESCRIPTORS = 256
+
+
+def worn_out(box) -> bool:
+    """Whether a brokered sandbox, after a call, holds so many descriptors it is to be replaced."""
+    try:
+        return len(os.listdir(f"/proc/{box.pid}/fd")) > MOST_DESCRIPTORS
+    except OSError:
+        return False
+
+
+def still_fits(box) -> bool:
+    """Whether a brokered sandbox, idle, was started with what a call now would get (the
+    environment, the zygote's imports): else its successor takes them."""
+    return box.request == spawn_request(imports_before_fork(), os.getpid())
+
+
+def listening(pool, box, deadline: float):
+    """``box`` once it has sent the listener of its opens; where it could not listen (a kernel
+    older than it looked), this pool starts a sandbox per call from now on, and one now."""
+    try:
+        box.listener = confine_broker.receive_listener(box.conn, box.pid, deadline)
+        return box
+    except confine_broker.NoListener as exc:
+        log.warning("swift_safe_media: %s; code that opens its media by name gets a sandbox per call", exc)
+        pool.brokered, pool.per_call = False, True
+        pool._end(box)
+        return pool._spawn(deadline)
+    except BaseException:
+        pool._end(box)
+        raise
+
+
+@contextlib.contextmanager
+def answering_opens(box, message):
+    """During a call: a brokered sandbox's opens of the files handed with it (``message.handed``)
+    are answered here, from copies taken before the message sends and closes them."""
+    if box.listener < 0:
+        yield
+        return
+    box.broker = confine_broker.Broker(box.listener, getattr(message, "handed", ()))
+    try:
+        yield
+    finally:
+        box.broker.close()
+        box.broker = None
+
+
+def answer_opens_until_readable(box, poller, clock) -> None:
+    """Wait for the sandbox's next message as :func:`.pool._receive` does (TimeoutError once
+    the clock says so), answering its opens as they come."""
+    poller.register(box.listener, select.POLLIN)
+    listening = True
+    try:
+        while True:
+            ready = dict(poller.poll(max(clock.wake_at() - time.monotonic(), 0) * 1000))
+            if box.conn.fileno() in ready:
+                return
+            if ready and listening:
+                if ready[box.listener] & (select.POLLHUP | select.POLLERR):
+                    poller.unregister(box.listener)  # nothing opens any more: it is ending
+                    listening = False
+                else:
+                    box.broker.answer()
+                if time.monotonic() < clock.wake_at():
+                    continue
+            if not clock.tick():
+                raise TimeoutError
+    finally:
+        if listening:
+            poller.unregister(box.listener)
 
 
 def spare_sandbox(pool, zygote, deadline: float):

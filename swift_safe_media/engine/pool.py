@@ -19,7 +19,7 @@ import threading
 import time
 
 from .. import config, process
-from ..confinement import handed, policy as confine, reply_unpickler
+from ..confinement import broker as confine_broker, handed, policy as confine, reply_unpickler
 from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
 from . import faults, per_call, run_folders, sandbox as sandbox_side, transport
 from .faults import RemoteTraceback, describe_status  # noqa: F401  (RemoteTraceback: part of the API)
@@ -33,14 +33,16 @@ log = logging.getLogger("swift_safe_media")
 
 class SandboxPool:
     """A pool of sandboxes: confined ones (the default), unconfined ones for fetches and
-    functions that need the network, or (``BY_NAME``) a confined sandbox per call, its
-    files readable by name."""
+    functions that need the network, or (``BY_NAME``) confined ones whose call's files are
+    readable by name: pooled, their opens answered here where the kernel can, else one per call."""
 
     def __init__(self, confined: bool | str = True, link: ZygoteLink | None = None):
         # Confined as its call begins (``deferred``), one sandbox per call, but a download's, which reads no
         # file by name: pooled (the grants of every call are the same; a stream keeps its remote file open).
         self.deferred, self.network, self.programs = confined in PER_CALL, confined == NETWORK, confined == PROGRAMS
-        self.per_call = self.deferred and not self.network
+        # Code that opens its media by name: pooled sandboxes whose opens this process answers (per_call.listening).
+        self.brokered = confined == BY_NAME and confine_broker.available()
+        self.per_call = self.deferred and not self.network and not self.brokered
         self.confined = bool(confined)
         self._lock = threading.Condition()
         self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
@@ -64,9 +66,10 @@ class SandboxPool:
                     box = self._idle.pop()
                     if not box.is_alive():
                         self._discard_quietly(box)
-                    elif box.memory_cap_mb != memory_cap_mb:
+                    elif box.memory_cap_mb != memory_cap_mb or (self.brokered and not per_call.still_fits(box)):
                         # SWIFT_SAFE_MEDIA_MAX_MEMORY_MB changed since it started: a sandbox
-                        # cannot raise or lower its own cap, so its successor takes the new one.
+                        # cannot raise or lower its own cap, so its successor takes the new one
+                        # (a brokered one, also the environment and imports of a call by name).
                         self._end(box)
                     else:
                         self._busy += 1
@@ -98,8 +101,12 @@ class SandboxPool:
 
     def _done_with(self, box: SandboxHandle) -> None:
         """After a call: the sandbox back to the pool, or, one for a single call, ended."""
-        if not self.per_call:
+        if not self.per_call and not (self.brokered and per_call.worn_out(box)):
             self._checkin(box)
+            return
+        if self.brokered:
+            self._end(box)
+            self._release_slot()
             return
         if not per_call.keep(self, box):
             per_call.end(self, box)
@@ -117,8 +124,12 @@ class SandboxPool:
             while True:
                 zygote = link.current()
                 try:
-                    box = per_call.spare_sandbox(self, zygote, deadline) if self.per_call else \
-                        zygote.spawn(config.max_memory_mb(), deadline, self.confined, () if self.deferred else None)
+                    if self.per_call:
+                        box = per_call.spare_sandbox(self, zygote, deadline)
+                    elif self.brokered:
+                        box = per_call.brokered_sandbox(zygote, deadline)
+                    else:
+                        box = zygote.spawn(config.max_memory_mb(), deadline, self.confined, () if self.deferred else None)
                     break
                 except (OSError, EOFError) as exc:
                     shared = zygote.process is None
@@ -133,7 +144,7 @@ class SandboxPool:
                     raise
         box.origin = zygote
         self.stats["sandboxes_started"] += 1
-        return box
+        return per_call.listening(self, box, deadline) if self.brokered else box
 
     def _end(self, box: SandboxHandle) -> tuple[int, int]:
         """Kill the sandbox's whole process group, then collect its exit status."""
@@ -205,7 +216,8 @@ class SandboxPool:
         self.stats["calls"] += 1
         if on_start is not None:
             on_start()
-        return self._exchange(box, message, fd, owned, timeout, path, on_progress, restart=restart_on_progress)
+        with per_call.answering_opens(box, message):
+            return self._exchange(box, message, fd, owned, timeout, path, on_progress, restart=restart_on_progress)
 
     def _ready_sandbox(self, path) -> SandboxHandle:
         """A sandbox, set up, for a call. Failing either is never the file's (it is not open
@@ -306,7 +318,7 @@ class SandboxPool:
         if kept is not None:
             per_call.end(self, kept)
         for box in idle:
-            box.conn.close()
+            box.close()
         with self._link.lock:
             spare, self._spare = self._spare, None
             if spare is not None and spare.box is not None:
@@ -314,7 +326,7 @@ class SandboxPool:
 
     def abandon(self) -> None:
         for box in self._idle + ([self._kept] if self._kept is not None else []):
-            box.conn.close()
+            box.close()
         self._idle, self._kept = [], None
         if self._spare is not None and self._spare.box is not None:
             self._spare.box.conn.close()
@@ -335,9 +347,12 @@ def _receive(box: SandboxHandle, clock: faults.FairClock):
     never cuts one in half; the message itself gets a second more."""
     poller = select.poll()  # not select(): a trainer may hold more than 1024 descriptors
     poller.register(box.conn, select.POLLIN)
-    while not poller.poll(max(clock.wake_at() - time.monotonic(), 0) * 1000):
-        if not clock.tick():
-            raise TimeoutError
+    if box.broker is not None:
+        per_call.answer_opens_until_readable(box, poller, clock)
+    else:
+        while not poller.poll(max(clock.wake_at() - time.monotonic(), 0) * 1000):
+            if not clock.tick():
+                raise TimeoutError
     return transport.receive(box.conn, max(clock.deadline, time.monotonic() + 1.0), blocks=box.blocks)
 
 

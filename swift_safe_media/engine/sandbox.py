@@ -26,7 +26,8 @@ import traceback
 import types
 
 from .. import config, errors, process
-from ..confinement import environment as confine_env, policy as confine, output as confine_output, handed, programs as confine_programs
+from ..confinement import broker as confine_broker, environment as confine_env, policy as confine, output as confine_output, handed, \
+    programs as confine_programs
 from . import faults, transport
 
 log = logging.getLogger("swift_safe_media")
@@ -52,9 +53,10 @@ def remember_caller_main(main: dict | None) -> None:
 
 
 def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy | None = None,
-                   deferred: bool = False) -> None:
+                   deferred: bool = False, broker_for: int | None = None) -> None:
     """``deferred``: a sandbox for one call of code that opens its files by name, confined
-    as that call begins (:func:`confine_then_call`)."""
+    as that call begins (:func:`confine_then_call`); ``broker_for``: one for many such calls,
+    confined now, whose opens by name the caller of that pid answers (:mod:`..confinement.broker`)."""
     os.setsid()
     process.set_name(process.SANDBOX_NAME)
     process.die_with_parent(parent)  # the zygote
@@ -75,6 +77,8 @@ def become_sandbox(conn, memory_cap_mb: int, parent: int, policy: confine.Policy
         _pending_policy = policy
     elif policy is not None:
         _confine(policy)
+        if broker_for is not None:
+            confine_broker.send_listener(conn, broker_for)
     serve(conn, memory_cap_mb)
 
 

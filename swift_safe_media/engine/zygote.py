@@ -43,7 +43,8 @@ SPAWN, SPAWN_UNCONFINED, SPAWN_FOR_FILES, REAP, RETIRE, LEFTOVERS = b"S", b"U", 
 # rank's one zygote serves both kinds; SPAWN_FOR_FILES: a sandbox for one call of code that
 # opens its files by name, confined as that call begins, with the call's own files readable
 # (:func:`.sandbox.confine_then_call`); its JSON is {"environment": ..., "imports": [[module, folder or null]: modules
-# the zygote imports first, so that the sandbox starts with them]}); RETIRE (no reply): kill a
+# the zygote imports first], "broker": null, or the caller's pid: a sandbox confined at once for many such calls, whose
+# opens by name that caller answers, :mod:`..confinement.broker`}); RETIRE (no reply): kill a
 # sandbox whose work is done and collect it in passing; LEFTOVERS (from the
 # owner of the control connection only), its temporary folders, for the zygote to
 # remove if the owner dies (the list replaces the last one; an empty one says goodbye)
@@ -71,6 +72,8 @@ class SandboxHandle:
         self.origin = None  # the Zygote that forked it (the only one that may reap it)
         self.grants = None  # a sandbox for one call: what it may read (engine.per_call)
         self.request = None  # the spawn request it came from: its environment and imports
+        self.listener = -1  # a brokered sandbox's opens by name, answered here (confinement.broker)
+        self.broker = None  # that broker during a call
 
     def hand_back_blocks(self, deadline) -> None:
         """Tell the sandbox which of its arena blocks no array here views any more."""
@@ -87,7 +90,14 @@ class SandboxHandle:
     def kill(self) -> None:
         """Kill the sandbox's whole process group and close our end (reap with the zygote)."""
         process.kill_group(self.pid)
+        self.close()
+
+    def close(self) -> None:
+        """Close our end: an idle sandbox then exits by itself."""
         self.conn.close()
+        if self.listener >= 0:
+            os.close(self.listener)
+            self.listener = -1
 
 
 # -- caller side ----------------------------------------------------------------------
@@ -129,16 +139,16 @@ class Zygote:
         return transport.receive_exactly(self.control, size, deadline)
 
     def spawn(self, memory_cap_mb: int, deadline: float, confined: bool = True,
-              for_files: tuple[str, ...] | None = None) -> SandboxHandle:
+              for_files: tuple[str, ...] | None = None, broker_for: int | None = None) -> SandboxHandle:
         """A new sandbox; ``for_files``: one for a call of code that opens its files by name,
-        confined as that call begins, the zygote importing these modules first."""
-        return self.spawn_ahead(memory_cap_mb, confined, for_files).sandbox(deadline)
+        confined as that call begins, the zygote importing these modules first (``broker_for``: the wire)."""
+        return self.spawn_ahead(memory_cap_mb, confined, for_files, broker_for).sandbox(deadline)
 
     def spawn_ahead(self, memory_cap_mb: int, confined: bool = True,
-                    for_files: tuple[str, ...] | None = None) -> "SpawnAhead":
+                    for_files: tuple[str, ...] | None = None, broker_for: int | None = None) -> "SpawnAhead":
         """Ask for a sandbox now and take it later (:meth:`SpawnAhead.sandbox`): the zygote
         forks it while the caller goes on (the next call's sandbox, while this call runs)."""
-        body = spawn_request(for_files)
+        body = spawn_request(for_files, broker_for)
         self._collect_replies(time.monotonic() + REQUEST_TIMEOUT_S)
         op = SPAWN_FOR_FILES if for_files is not None else SPAWN if confined else SPAWN_UNCONFINED
         self.control.settimeout(REQUEST_TIMEOUT_S)
@@ -228,12 +238,12 @@ class SpawnAhead:
             and spawn_request(for_files) == self.request
 
 
-def spawn_request(for_files) -> bytes:
+def spawn_request(for_files, broker_for: int | None = None) -> bytes:
     """A spawn request's JSON: the caller's environment, which the sandbox takes as its own,
-    and for a sandbox of one call the modules the zygote imports first."""
+    and for a sandbox of code that opens its files by name the modules the zygote imports first."""
     environment = zygote_start.environment_for_sandbox()
     if for_files is not None:
-        environment = {"environment": environment, "imports": list(for_files)}
+        environment = {"environment": environment, "imports": list(for_files), "broker": broker_for}
     return json.dumps(environment).encode()
 
 
@@ -328,12 +338,13 @@ def _serve_request(conn, children: set[int], prep, policy, unreaped: set[int], o
     payload = json.loads(bytes(transport.receive_exactly(conn, size, deadline))) if size else None
     conn.settimeout(REQUEST_TIMEOUT_S)
     if op in (SPAWN, SPAWN_UNCONFINED, SPAWN_FOR_FILES):
-        deferred = op == SPAWN_FOR_FILES
+        deferred, broker_for = op == SPAWN_FOR_FILES, None
         if deferred:
             zygote_start.import_before_fork((payload or {}).get("imports") or ())
-            payload = (payload or {}).get("environment")
+            broker_for = (payload or {}).get("broker")
+            deferred, payload = broker_for is None, (payload or {}).get("environment")
         pid, caller_end = _start_sandbox(ours, prep, value, policy if op != SPAWN_UNCONFINED else None,
-                                         payload or {}, deferred)
+                                         payload or {}, deferred, broker_for)
         children.add(pid)
         try:
             socket.send_fds(conn, [SPAWN_REPLY.pack(pid)], [caller_end.fileno()])
@@ -365,13 +376,13 @@ def _end_client(conn, children: set[int], unreaped: set[int]) -> None:
             unreaped.add(pid)
 
 
-def _start_sandbox(ours, prep, memory_cap_mb, policy, environment, deferred=False):
+def _start_sandbox(ours, prep, memory_cap_mb, policy, environment, deferred=False, broker_for=None):
     caller_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if not zygote_start.fork_is_safe():
         # A preloaded module started a thread: forking now could deadlock the child.
         log.warning("swift_safe_media: the zygote has threads; starting sandboxes by exec")
-        pid = zygote_start.exec_sandbox(sandbox_end, dict(prep, confine=policy is not None, deferred=deferred),
-                                        memory_cap_mb, environment)
+        pid = zygote_start.exec_sandbox(sandbox_end, dict(prep, confine=policy is not None, deferred=deferred,
+                                                          broker=broker_for), memory_cap_mb, environment)
         sandbox_end.close()
         return pid, caller_end
     zygote = os.getpid()
@@ -382,7 +393,7 @@ def _start_sandbox(ours, prep, memory_cap_mb, policy, environment, deferred=Fals
                 sock.close()
             caller_end.close()
             zygote_start.take_environment(environment)
-            sandbox.become_sandbox(sandbox_end, memory_cap_mb, zygote, policy, deferred)
+            sandbox.become_sandbox(sandbox_end, memory_cap_mb, zygote, policy, deferred, broker_for)
         finally:
             os._exit(70)
     sandbox_end.close()

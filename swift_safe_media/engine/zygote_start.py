@@ -228,6 +228,6 @@ def exec_sandbox_main(fd: int, memory_cap_mb: int, parent: int) -> None:
     preload(prep["preload"])
     try:
         sandbox.become_sandbox(socket.socket(fileno=fd), memory_cap_mb, parent, prepare_confinement(prep),
-                               prep.get("deferred", False))
+                               prep.get("deferred", False), prep.get("broker"))
     finally:
         os._exit(70)
