@@ -9,6 +9,7 @@ The attacks of issue 42 are in ``test_confine_stock.py``, run both ways."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -19,7 +20,7 @@ from swift_safe_media import MediaDecodeTimeout
 from swift_safe_media.confinement import broker, policy as confine
 from swift_safe_media.engine import calls as engine, per_call
 
-from .fresh import run_python
+from .fresh import ROOT, clean_environment, run_python
 from .test_confine_stock import accepted, assert_all_refused, read_then_attack, targets, video  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(confine.landlock_abi() < 1 or broker.why_not() is not None,
@@ -167,11 +168,35 @@ print(json.dumps({"first": first, "second": second, "brokered": engine.get_engin
 
 def test_where_a_sandbox_cannot_listen_calls_get_a_sandbox_each(files):
     done = run_python(code=CANNOT_LISTEN, args=[files["clip"], files["other"], files["secret"]], timeout=180)
-    import json
-
     found = json.loads(done.stdout.strip().splitlines()[-1])
     head = f"read {open(files['clip'], 'rb').read(8)!r}"
     assert found["brokered"] is False
     assert found["first"][1] == [head, "refused EACCES"] and found["second"][1] == [head, "refused EACCES"]
     assert found["first"][0] != found["second"][0]
     assert "could not listen for its opens; code that opens its media by name gets a sandbox per call" in done.stderr
+
+
+BY_EXEC = r"""
+import json, sys
+from swift_safe_media.engine import calls as engine
+from tests.test_open_broker import opens_and_pid
+
+first = engine.call(opens_and_pid, sys.argv[1], [sys.argv[1], sys.argv[2]], confine=engine.BY_NAME)
+second = engine.call(opens_and_pid, sys.argv[2], [sys.argv[2], sys.argv[1]], confine=engine.BY_NAME)
+print(json.dumps({"first": first, "second": second, "brokered": engine.get_engine(engine.BY_NAME).brokered}))
+"""
+
+
+def test_a_sandbox_started_by_exec_is_brokered_too(files, tmp_path):
+    """A zygote whose preload started a thread starts its sandboxes by exec (seconds each):
+    the brokered one is started once and serves call after call, as confined."""
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n")
+    env = clean_environment({"PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT]),
+                             "SWIFT_SAFE_MEDIA_PRELOAD": "numpy,starts_a_thread"})
+    done = run_python(code=BY_EXEC, args=[files["clip"], files["other"]], env=env, timeout=180)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    head = f"read {open(files['clip'], 'rb').read(8)!r}"
+    assert "starting sandboxes by exec" in done.stderr, done.stderr[-2000:]
+    assert found["brokered"] is True and found["first"][0] == found["second"][0]
+    assert found["first"][1] == [head, "refused EACCES"] and found["second"][1] == [head, "refused EACCES"]
