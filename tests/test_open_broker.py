@@ -3,8 +3,9 @@ confined sandbox serves call after call of code that opens its media by name, an
 each call's own files, by any name the kernel resolves to them, and nothing else: not the
 files of the calls before, not a secret, not a file opened for writing. A sandbox that
 floods its caller with opens still ends at its timeout; one that leaves its files open is
-replaced before it runs out of descriptors; where a sandbox cannot listen for its opens (a
-seccomp listener above it already: a container's supervisor) calls get a sandbox each.
+replaced before it runs out of descriptors; one started by exec (a zygote with a thread) is
+brokered as one forked; where a sandbox cannot listen for its opens (a seccomp listener above
+it already: a container's supervisor) calls get a sandbox each.
 The attacks of issue 42 are in ``test_confine_stock.py``, run both ways."""
 
 from __future__ import annotations
