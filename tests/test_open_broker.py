@@ -30,17 +30,18 @@ pytestmark = pytest.mark.skipif(confine.landlock_abi() < 1 or broker.why_not() i
 
 @pytest.fixture
 def files(video, tmp_path):
-    """The clip, a copy of it, a symlink and a hard link to the clip, a secret beside them."""
+    """The clip, a copy of it, a symlink to the clip, hard links to it (one of the same name in
+    another folder, one by another name), a secret beside them."""
     other = tmp_path / "other.mp4"
     shutil.copy(video, other)
     (tmp_path / "link.mp4").symlink_to(video)
-    try:
-        os.link(video, tmp_path / "hard.mp4")
-    except OSError:  # another file system: the symlink's case still runs
-        shutil.copy(video, tmp_path / "hard.mp4")
+    (tmp_path / "elsewhere").mkdir()
+    os.link(video, tmp_path / "elsewhere" / os.path.basename(video))
+    os.link(video, tmp_path / "renamed.mp4")
     (tmp_path / "secret.txt").write_text("hf_SECRET")
     return {"clip": video, "other": str(other), "link": str(tmp_path / "link.mp4"),
-            "hard": str(tmp_path / "hard.mp4"), "secret": str(tmp_path / "secret.txt")}
+            "hard": str(tmp_path / "elsewhere" / os.path.basename(video)), "renamed": str(tmp_path / "renamed.mp4"),
+            "secret": str(tmp_path / "secret.txt")}
 
 
 def native_open(media, name, how="open"):
@@ -62,6 +63,8 @@ def native_open(media, name, how="open"):
         fd = libc.open(os.path.basename(name).encode(), os.O_RDONLY)
     elif how == "own descriptor":
         fd = libc.open(f"/proc/self/fd/{handed.handed_fd(media)}".encode(), os.O_RDONLY)
+    elif how == "/dev/fd":
+        fd = libc.open(f"/dev/fd/{handed.handed_fd(media)}".encode(), os.O_RDONLY)
     else:
         fd = libc.open(name.encode(), flags.get(how, os.O_RDONLY), 0o600)
     if fd < 0:
@@ -85,11 +88,20 @@ def test_one_sandbox_serves_calls_on_other_files_each_reading_only_its_own(files
                                confine=engine.BY_NAME)
     assert second == first  # the same sandbox: the clip, handed to the call before, is not readable now
     assert seen == [head, "refused EACCES", "refused EACCES"]
-    # Every name the kernel resolves to the handed file reads it, as a Landlock rule on it would.
-    for how, name in (("open", files["link"]), ("open", files["hard"]), ("openat2", files["clip"]),
-                      ("relative", files["clip"]), ("own descriptor", files["clip"])):
+    # The names a library reaches the handed file by read it: the same name elsewhere (a hard
+    # link), relative ones, openat2, its own descriptors; handed a symlink, the symlink and the
+    # file it leads to. A name ending otherwise is not looked up (a hard link renamed; the
+    # symlink, handed the file): the sandbox's own open, refused.
+    for how, name in (("open", files["hard"]), ("openat2", files["clip"]), ("relative", files["clip"]),
+                      ("own descriptor", files["clip"]), ("/dev/fd", files["clip"])):
         pid, seen = engine.call(opens_and_pid, files["clip"], [name], how, confine=engine.BY_NAME)
         assert (pid, seen) == (first, [head]), (how, name)
+    assert engine.call(opens_and_pid, files["link"], [files["link"], files["clip"], files["other"]],
+                       confine=engine.BY_NAME) == (first, [head, head, "refused EACCES"])
+    assert engine.call(opens_and_pid, files["clip"], [files["link"]], confine=engine.BY_NAME) == \
+        (first, ["refused EACCES"])
+    assert engine.call(opens_and_pid, files["clip"], [files["renamed"]], confine=engine.BY_NAME) == \
+        (first, ["refused EACCES"])
     # What the call's own sandbox would refuse, this one refuses: a link not followed, a write, a new file.
     for how, name, refused in (("nofollow", files["link"], "refused ELOOP"), ("write", files["clip"], "refused EACCES"),
                                ("create", files["clip"] + ".new", "refused EACCES")):

@@ -4,17 +4,20 @@ opens its media by name (stock's loaders, LLaMA-Factory's readers).
 Landlock cannot widen a sandbox's reads once it is confined, so such code used to get a sandbox
 per call, confined for that call's files: 20-40 ms a call, mostly the first use of a fresh
 process. A brokered sandbox is confined as a pooled one is (no media readable), and its
-``open``/``openat`` system calls wait on a seccomp user notification (Linux >= 5.14) that its
-caller answers while it waits for the call's reply (:meth:`Broker.answer`):
+``open``/``openat``/``openat2`` system calls wait on a seccomp user notification (Linux >= 5.14)
+that its caller answers while it waits for the call's reply (:meth:`Broker.answer`):
 
-- the caller reads the name from the sandbox's memory and ``stat``\\ s it as the sandbox would
-  resolve it (its working folder, its ``dirfd``); it never opens a name the sandbox gave;
-- a read-only open of a regular file handed with the call (same device and inode: Landlock's
-  rules are by inode too) gets a descriptor of the caller's own copy of that file, opened anew
-  (an offset of its own), put into the sandbox as the call's result (``SECCOMP_ADDFD_FLAG_SEND``);
+- the caller reads the name from the sandbox's memory. Only a name ending as one the call's
+  files go by (the name handed, where a symlink leads) or naming one of the sandbox's own
+  descriptors is looked up: ``stat``, as the sandbox would resolve it (its working folder, its
+  ``dirfd``, its ``/proc/self``), never an open of a name the sandbox gave. Any other name (a
+  font, a config file on a network mount that hangs) never holds the caller;
+- a read-only open of a regular file handed with the call (same device and inode) gets a
+  descriptor of the caller's own copy of that file, opened anew (an offset of its own), put
+  into the sandbox as the open's result (``SECCOMP_ADDFD_FLAG_SEND``);
 - any other open goes on as the sandbox's own (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``), which
   Landlock and the seccomp filter decide as before. So the broker only ever adds the call's own
-  files: what a sandbox per call was allowed, no file more.
+  files: what a sandbox per call was allowed, no file more (a hard link by another name, less).
 
 Between calls nobody answers: an open then waits for the next call (a decoder does not open
 files between calls). Both ends are here: the sandbox's (:func:`listen`, :func:`send_listener`)
@@ -153,15 +156,21 @@ def receive_listener(conn: socket.socket, pid: int, deadline: float) -> int:
 
 class Broker:
     """The caller's side of one sandbox's opens during one call: the files handed with the
-    call, as the caller's own copies (``handed``: descriptors, duplicated here)."""
+    call, as the caller's own copies (``handed``: descriptors, duplicated here, and the names
+    they were opened by, ``handed.names``)."""
 
     def __init__(self, listener: int, handed=()):
         self.listener = listener
         self.granted: dict[tuple[int, int], int] = {}
+        # The last parts of the names a granted file goes by: the name it was handed by, and
+        # where that name leads. Only a name ending so is looked up: one elsewhere (a font, a
+        # config file on a network mount that hangs) is the sandbox's own to open.
+        self.last_parts = {os.fsencode(os.path.basename(name)) for name in getattr(handed, "names", ())}
         for fd in handed:
             found = os.fstat(fd)
             if stat.S_ISREG(found.st_mode) and (found.st_dev, found.st_ino) not in self.granted:
                 self.granted[(found.st_dev, found.st_ino)] = os.dup(fd)
+                self.last_parts.add(os.fsencode(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
 
     def close(self) -> None:
         while self.granted:
@@ -224,7 +233,7 @@ class Broker:
         if not self.granted or address is None or flags & os.O_ACCMODE != os.O_RDONLY or flags & _NOT_BROKERED:
             return None, flags
         name = _read_name(tid, address)
-        if not name:
+        if not name or not (name.rsplit(b"/", 1)[-1] in self.last_parts or _names_a_descriptor(name, tid)):
             return None, flags
         name = _as_seen_by(tid, dirfd, name)
         try:
@@ -236,15 +245,26 @@ class Broker:
         return self.granted.get((found.st_dev, found.st_ino)), flags
 
 
+_OWN = (b"/proc/self/", b"/proc/thread-self/", b"/dev/fd/")  # resolved in the opener, not here
+
+
 def _as_seen_by(tid: int, dirfd: int, name: bytes) -> bytes:
     """``name`` as this process can resolve it the way thread ``tid`` would: relative to its
-    working folder or its ``dirfd``, and its own ``/proc/self``, not ours."""
+    working folder or its ``dirfd``, and its own ``/proc/self`` and ``/dev/fd``, not ours."""
     if not name.startswith(b"/"):
         return (f"/proc/{tid}/cwd/" if dirfd == AT_FDCWD else f"/proc/{tid}/fd/{dirfd}/").encode() + name
-    for own in (b"/proc/self/", b"/proc/thread-self/"):
+    for own in _OWN:
         if name.startswith(own):
-            return f"/proc/{tid}/".encode() + name[len(own):]
+            return f"/proc/{tid}/{'fd/' if own == b'/dev/fd/' else ''}".encode() + name[len(own):]
     return name
+
+
+def _names_a_descriptor(name: bytes, tid: int) -> bool:
+    """Whether ``name`` is one of the opener's own descriptors (``/proc/self/fd/7``, ``/dev/fd/7``)."""
+    for prefix in (b"/proc/self/fd/", b"/proc/thread-self/fd/", b"/dev/fd/", f"/proc/{tid}/fd/".encode()):
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            return True
+    return False
 
 
 def _read(tid: int, address: int, size: int) -> bytes | None:

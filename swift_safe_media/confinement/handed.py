@@ -45,6 +45,14 @@ def special_kind(mode: int) -> str:
     return "device" if stat_module.S_ISCHR(mode) or stat_module.S_ISBLK(mode) else "special file"
 
 
+class Handed(list):
+    """The descriptors a request hands (sent as they are) and the names they were opened by."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+
 def hand(path):
     """``path`` marked to be handed (a ``str``; anything else as it is)."""
     return HandedPath(path) if isinstance(path, str) and not isinstance(path, HandedPath) else path
@@ -61,7 +69,7 @@ def hand_media(args: tuple, kwargs: dict, media) -> tuple[tuple, dict]:
     return tuple(mark(value) for value in args), {name: mark(value) for name, value in kwargs.items()}
 
 
-def hand_over(path: str, handed: list) -> tuple:
+def hand_over(path: str, handed: Handed) -> tuple:
     """The pickle reduction of a HandedPath: the file opened and its descriptor appended
     to ``handed``; a file that cannot be opened, or is not a regular file, travels as its
     name only (the sandbox's own checks then say what is wrong with it)."""
@@ -78,6 +86,7 @@ def hand_over(path: str, handed: list) -> tuple:
     if fd < 0:
         return HandedPath, (str(path),)
     handed.append(fd)
+    handed.names.append(str(path))
     return received, (str(path), len(handed) - 1)
 
 

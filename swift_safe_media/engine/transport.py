@@ -142,7 +142,7 @@ def encode(kind: int, obj, arena: SharedArena | None = None) -> tuple[bytes, int
     stream = io.BytesIO()
     pickler = pickling.Pickler(stream, protocol=5, buffer_callback=route)
     if kind == REQUEST:
-        pickler.handed = []  # media files handed to the sandbox (see handed)
+        pickler.handed = handed.Handed()  # media files handed to the sandbox
     try:
         pickler.dump(obj)
     except BaseException:
