@@ -26,6 +26,7 @@ and the caller's (:func:`available`, :func:`receive_listener`, :class:`Broker`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -56,7 +57,7 @@ def _ioc(direction: int, number: int, size: int) -> int:
 
 _OPEN_HOW = struct.Struct("=QQQ")  # openat2's struct open_how: flags, mode, resolve
 _RECV, _SEND, _ADD_FD = _ioc(3, 0, _NOTICE.size), _ioc(3, 1, _RESPONSE.size), _ioc(1, 3, _ADDFD.size)
-# An open the broker answers: read-only, of a file (not a folder, a path handle or a new file).
+# Flags of an open the broker never answers: not of a file to read (a folder, a path handle, a new file).
 _NOT_BROKERED = os.O_CREAT | os.O_TRUNC | os.O_DIRECTORY | getattr(os, "O_PATH", 0) | getattr(os, "O_TMPFILE", 0)
 _LISTENING, _NO_LISTENER = b"L", b"N"
 
@@ -100,20 +101,20 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _program() -> tuple:
+    """(the buffer, the filter as the kernel takes it, the number of ``seccomp``)."""
     with kernel.SeccompFilter(kernel.SCMP_ACT_ALLOW) as program:
         for number in _opens().values():
             program.add(SCMP_ACT_NOTIFY, number)
-        return kernel.filter_program(program.export_bpf())
+        return *kernel.filter_program(program.export_bpf()), kernel.syscall_numbers(("seccomp",))["seccomp"]
 
 
 def listen(caller: int) -> int:
     """In a confined sandbox: from now on every open by name waits for ``caller`` to answer it.
     Returns the listener, to be sent to the caller (and closed here)."""
     kernel.libc.prctl(PR_SET_PTRACER, caller, 0, 0, 0)  # Yama's scope 1: the caller may read the names
-    _, fprog = _program()
-    flags = kernel.SECCOMP_FILTER_FLAG_TSYNC | SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_TSYNC_ESRCH
-    return kernel.syscall(kernel.syscall_numbers(("seccomp",))["seccomp"], ctypes.c_uint(kernel.SECCOMP_SET_MODE_FILTER),
-                          ctypes.c_uint(flags), ctypes.byref(fprog))
+    _, fprog, seccomp_number = _program()
+    return kernel.install_seccomp_filter(seccomp_number, fprog, kernel.SECCOMP_FILTER_FLAG_TSYNC
+                                         | SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_TSYNC_ESRCH)
 
 
 def send_listener(conn: socket.socket, caller: int) -> None:
@@ -218,21 +219,24 @@ class Broker:
 
     def _granted(self, tid: int, number: int, args) -> tuple[int | None, int]:
         """Our copy of the file this open names, if it is one handed with the call; and its flags."""
-        opens, dirfd = _opens(), ctypes.c_int32(args[0] & 0xFFFFFFFF).value
+        opens, dirfd, flags = _opens(), ctypes.c_int32(args[0] & 0xFFFFFFFF).value, None
         if number == opens.get("openat"):
-            address, flags = args[1], args[2]
+            address, flags = args[1], args[2] & 0xFFFFFFFF
         elif number == opens.get("open"):
-            dirfd, address, flags = AT_FDCWD, args[0], args[1]
+            dirfd, address, flags = AT_FDCWD, args[0], args[1] & 0xFFFFFFFF
         elif number == opens.get("openat2") and args[3] >= _OPEN_HOW.size:
-            how = _read(tid, args[2], _OPEN_HOW.size)
-            flags, _, resolve = _OPEN_HOW.unpack(how) if how else (0, 0, 1)
-            address = args[1] if resolve == 0 else None  # a resolution of its own: the sandbox's to make
+            address = args[1]  # its flags are in memory
         else:
             return None, 0
-        flags &= 0xFFFFFFFF
-        if not self.granted or address is None or flags & os.O_ACCMODE != os.O_RDONLY or flags & _NOT_BROKERED:
-            return None, flags
-        name = _read_name(tid, address)
+        if not self.granted or (flags is not None and not _answered(flags)):
+            return None, 0
+        with _memory_of(tid) as memory:
+            if flags is None:
+                how = _read(memory, args[2], _OPEN_HOW.size)
+                flags, _, resolve = _OPEN_HOW.unpack(how) if how else (0, 0, 1)
+                if resolve or not _answered(flags):  # a resolution of its own: the sandbox's to make
+                    return None, 0
+            name = _read_name(memory, address)
         if not name or not (name.rsplit(b"/", 1)[-1] in self.last_parts or _names_a_descriptor(name, tid)):
             return None, flags
         name = _as_seen_by(tid, dirfd, name)
@@ -267,48 +271,52 @@ def _names_a_descriptor(name: bytes, tid: int) -> bool:
     return False
 
 
-def _read(tid: int, address: int, size: int) -> bytes | None:
-    """``size`` bytes at ``address`` in the memory of thread ``tid`` (None: unreadable)."""
+def _answered(flags: int) -> bool:
+    """Whether an open with these flags is one the broker answers: read-only, of a file."""
+    return flags & os.O_ACCMODE == os.O_RDONLY and not flags & _NOT_BROKERED
+
+
+@contextlib.contextmanager
+def _memory_of(tid: int):
+    """The memory of thread ``tid``, open for reading (-1 where this process may not read it)."""
     try:
         memory = os.open(f"/proc/{tid}/mem", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None
+        yield -1
+        return
+    try:
+        yield memory
+    finally:
+        os.close(memory)
+
+
+def _read(memory: int, address: int, size: int) -> bytes | None:
+    """``size`` bytes at ``address`` (None: unreadable)."""
     try:
         data = os.pread(memory, size, address)
-        return data if len(data) == size else None
     except (OSError, OverflowError):
         return None
-    finally:
-        os.close(memory)
+    return data if len(data) == size else None
 
 
-def _read_name(tid: int, address: int, most: int = 4096) -> bytes | None:
-    """The NUL-terminated name at ``address`` in the memory of thread ``tid``, read a page at a time."""
-    try:
-        memory = os.open(f"/proc/{tid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        name = b""
-        while len(name) < most:
+def _read_name(memory: int, address: int, most: int = 4096) -> bytes | None:
+    """The NUL-terminated name at ``address``, read a page at a time."""
+    name = b""
+    while len(name) < most:
+        try:
             chunk = os.pread(memory, 4096 - (address + len(name)) % 4096, address + len(name))
-            end = chunk.find(b"\0")
-            if end >= 0:
-                return name + chunk[:end]
-            if not chunk:
-                return None
-            name += chunk
-        return None
-    except (OSError, OverflowError):
-        return None
-    finally:
-        os.close(memory)
+        except (OSError, OverflowError):
+            return None
+        end = chunk.find(b"\0")
+        if end >= 0:
+            return name + chunk[:end]
+        if not chunk:
+            return None
+        name += chunk
+    return None
 
 
 def can_read_memory_of(pid: int) -> bool:
     """Whether this process may read the names a sandbox opens (Yama, a container's policy)."""
-    try:
-        os.close(os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC))
-        return True
-    except OSError:
-        return False
+    with _memory_of(pid) as memory:
+        return memory >= 0

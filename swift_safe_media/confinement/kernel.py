@@ -224,6 +224,6 @@ def restrict_self(abi: int, handled_fs: int, handled_net: int, scoped: int, rule
         os.close(ruleset)
 
 
-def install_seccomp_filter(seccomp_number: int, fprog: SockFprog) -> None:
-    syscall(seccomp_number, ctypes.c_uint(SECCOMP_SET_MODE_FILTER),
-            ctypes.c_uint(SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(fprog))
+def install_seccomp_filter(seccomp_number: int, fprog: SockFprog, flags: int = SECCOMP_FILTER_FLAG_TSYNC) -> int:
+    """Install ``fprog`` on every thread; what the kernel returns (a listener, with its flag)."""
+    return syscall(seccomp_number, ctypes.c_uint(SECCOMP_SET_MODE_FILTER), ctypes.c_uint(flags), ctypes.byref(fprog))

@@ -73,7 +73,7 @@ def listening(pool, box, deadline: float):
         return box
     except confine_broker.NoListener as exc:
         log.warning("swift_safe_media: %s; code that opens its media by name gets a sandbox per call", exc)
-        pool.brokered, pool.per_call = False, True
+        pool.brokered = False
         pool._end(box)
         return pool._spawn(deadline)
     except BaseException:

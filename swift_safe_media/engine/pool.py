@@ -37,12 +37,8 @@ class SandboxPool:
     readable by name: pooled, their opens answered here where the kernel can, else one per call."""
 
     def __init__(self, confined: bool | str = True, link: ZygoteLink | None = None):
-        # Confined as its call begins (``deferred``), one sandbox per call, but a download's, which reads no
-        # file by name: pooled (the grants of every call are the same; a stream keeps its remote file open).
         self.deferred, self.network, self.programs = confined in PER_CALL, confined == NETWORK, confined == PROGRAMS
-        # Code that opens its media by name: pooled sandboxes whose opens this process answers (per_call.listening).
-        self.brokered = confined == BY_NAME and confine_broker.available()
-        self.per_call = self.deferred and not self.network and not self.brokered
+        self.brokered = confined == BY_NAME and confine_broker.available()  # opens answered here: per_call.listening
         self.confined = bool(confined)
         self._lock = threading.Condition()
         self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
@@ -53,6 +49,12 @@ class SandboxPool:
         self._closed = False
         self.stats = {"calls": 0, "timeouts": 0, "crashes": 0, "sandboxes_started": 0, "last_kill_to_ready_s": None}
         self._oom_kills = faults.oom_kills()  # the OOM killer's counters, as last read
+
+    @property
+    def per_call(self) -> bool:
+        """A sandbox of its own for each call, confined as it begins: ``deferred``, opens not brokered, not a
+        download's (it reads no file by name: every call's grants are alike; a stream keeps its file open)."""
+        return self.deferred and not self.network and not self.brokered
 
     # -- pool ---------------------------------------------------------------------
     def _checkout(self) -> SandboxHandle:
@@ -101,12 +103,12 @@ class SandboxPool:
 
     def _done_with(self, box: SandboxHandle) -> None:
         """After a call: the sandbox back to the pool, or, one for a single call, ended."""
-        if not self.per_call and not (self.brokered and per_call.worn_out(box)):
-            self._checkin(box)
-            return
-        if self.brokered:
+        if self.brokered and per_call.worn_out(box):
             self._end(box)
             self._release_slot()
+            return
+        if not self.per_call:
+            self._checkin(box)
             return
         if not per_call.keep(self, box):
             per_call.end(self, box)
