@@ -220,6 +220,8 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
         command += ["--breakdown-dir", args.breakdown_dir]
     if pipeline == "lerobot":
         command[0] = args.lerobot_python
+    elif side == "protected":
+        command += ["--safe_media", "true"]  # ms-swift's flag, as on its command line
     returncode, text, _, memory = run_measured(command, env, ROOT, timeout)
     results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
     if returncode != 0 or not results:
@@ -251,18 +253,22 @@ def run_measured(command: list[str], env: dict, cwd, timeout: float | None = Non
 
 
 def child_swift(args, inputs: dict) -> dict:
-    if args.side == "protected":
-        import swift_safe_media
-
-        swift_safe_media.enable(hosts=["swift"])  # what --safe_media true does when the arguments are parsed
+    """The protected side goes as ``swift sft --safe_media true`` does: the flag is on its
+    command line (the start-up hook sees it as ms-swift begins importing), and ``enable()``
+    comes once ms-swift is imported, where ms-swift's parser calls it."""
     import torch
     from torch.utils.data import DataLoader
-    from transformers import Qwen2_5OmniForConditionalGeneration
 
     from swift.dataset import load_dataset
     from swift.dataset.utils import LazyLLMDataset
     from swift.model import get_processor
     from swift.template import get_template
+
+    if args.side == "protected":
+        import swift_safe_media
+
+        swift_safe_media.enable(hosts=["swift"])  # what --safe_media true does when the arguments are parsed
+    from transformers import Qwen2_5OmniForConditionalGeneration  # as swift sft loads the model: after
 
     processor = get_processor(inputs["model"], model_type="qwen2_5_omni", download_model=False)
     template = get_template(processor)
@@ -512,6 +518,7 @@ def main() -> None:
     parser.add_argument("--context", help=argparse.SUPPRESS)
     parser.add_argument("--inputs", help=argparse.SUPPRESS)
     parser.add_argument("--breakdown-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--safe_media", help=argparse.SUPPRESS)  # ms-swift's flag, read by the start-up hook
     args = parser.parse_args()
 
     if args.record_lerobot:

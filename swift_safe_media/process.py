@@ -15,6 +15,7 @@ process's own) and the in-sandbox flag (:mod:`.engine.sandbox`, true in a sandbo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -88,8 +89,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # report): forked from the warm forkserver, they have its command line.
 ZYGOTE_NAME, SANDBOX_NAME = "ssm-zygote", "ssm-sandbox"
 # A warm forkserver forked from the trainer has the trainer's command line: it goes by this
-# name, and what it forks by the trainer's again.
-FORKSERVER_NAME = "ssm-forkserver"
+# name, and what it forks by the trainer's again; its template, while it waits, by the other.
+FORKSERVER_NAME, TEMPLATE_NAME = "ssm-forkserver", "ssm-template"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -179,3 +180,24 @@ def exists(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+def thread_names() -> list[str]:
+    """This process's threads, by their names in ``/proc``."""
+    try:
+        names = []
+        for task in sorted(os.listdir("/proc/self/task")):
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        return names
+    except OSError:
+        return ["?"] * threading.active_count()
+
+
+def default_signal_handlers() -> None:
+    """The signal handlers an exec would leave (a fork of another process that becomes a
+    program of its own): its Python handlers go; a signal it ignores stays ignored."""
+    for number in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            if callable(signal.getsignal(number)):
+                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)

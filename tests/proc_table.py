@@ -58,8 +58,12 @@ def forkservers(seen: dict[int, Process]) -> set[int]:
 
 
 def from_forkservers(seen: dict[int, Process]) -> set[int]:
-    """The warm forkservers among ``seen`` and everything descending from them."""
-    found = forkservers(seen)
+    """The warm forkservers among ``seen``, their templates forked from the trainer (one that
+    never became the forkserver: a fresher one was forked at ``enable()``), and everything
+    descending from them."""
+    from swift_safe_media.process import TEMPLATE_NAME
+
+    found = forkservers(seen) | {pid for pid, row in seen.items() if row.name == TEMPLATE_NAME}
     while True:
         more = {pid for pid, row in seen.items() if row.parent in found} - found
         if not more:

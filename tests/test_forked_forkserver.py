@@ -2,13 +2,17 @@
 while the trainer has one thread (``enable()`` before the trainer's imports, or a host's
 first import under ``SWIFT_SAFE_MEDIA=1`` or with its flag on the command line), the
 forkserver is a fork of the trainer and shares its torch (with the flag, its template
-imports the forkserver's preload while the trainer goes on to ``enable()``); it has one thread as it forks, its workers start with one thread and
-may import from threads; the trainer's thread pools are as without it. Where the trainer
-already runs a thread, the forkserver is started by exec as before. Real processes."""
+imports the forkserver's preload while the trainer goes on to ``enable()``, and where the
+trainer has imported more by then and may still fork, a fresh template forked then takes its
+place, sharing those modules too); it has one thread as it forks, its workers start with one
+thread and may import from threads; the trainer's thread pools are as without it. Where the
+trainer already runs a thread (but one a fork leaves safe: jemalloc's), the forkserver is
+started by exec as before. Real processes."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -21,7 +25,8 @@ from .fresh import ROOT, clean_environment
 
 CASES = {"forked": ([], {}), "off": ([], {config.FORKSERVER_FROM_TRAINER: "0"}),
          "thread": (["thread"], {}), "host": (["host"], {"SWIFT_SAFE_MEDIA": "1"}),
-         "ahead": (["ahead", "--safe_media", "true"], {}), "early": (["early", "--safe_media", "true"], {})}
+         "ahead": (["ahead", "--safe_media", "true"], {}), "early": (["early", "--safe_media", "true"], {}),
+         "again": (["again", "--safe_media", "true"], {})}
 AHEAD = "tests.programs.imported_ahead"  # the last of the forkserver's preload: it logs who imports it
 
 
@@ -68,6 +73,28 @@ def test_a_trainer_with_one_thread_forks_its_warm_forkserver(runs, case):
     # The preload imported once, in the forkserver; the workers found it there.
     assert [line["pid"] for line in found["imported_ahead"]] == [found["forkserver"]], found["imported_ahead"]
     assert {tuple(item["hosts"]) for item in found["items"]} == ({()} if case == "forked" else {("swift",)})
+    assert not any(item["trainer_only"] for item in found["items"])
+
+
+@pytest.mark.timeout(300)
+def test_a_fresh_template_is_forked_once_the_trainer_has_imported_its_host(runs):
+    """``--safe_media true``, and by ``enable()`` the trainer has imported ms-swift and more,
+    with pyarrow's allocator thread running: a second template is forked then (that thread
+    is safe across fork), the first one goes, and the forkserver and its workers have what
+    the trainer imported in between without importing it (shared, not a second copy), the
+    host protected in them as before."""
+    found, stderr = runs["again"]
+    forked = [int(pid) for pid in re.findall(r"template of the warm forkserver forked.*?\(pid (\d+)", stderr)]
+    assert len(forked) == 2 and "forked again, the trainer having imported more" in stderr, stderr[-3000:]
+    assert "jemalloc_bg_thd" in found["trainer_threads"]
+    assert "the trainer had 1 thread and jemalloc_bg_thd, which fork leaves safe)" in stderr, stderr[-3000:]
+    assert found["forkserver"] == forked[1] and forked[0] not in found["children"]
+    assert found["forkserver_ppid"] == found["trainer"] and found["forkserver_threads"] == 1
+    _workers_are_clean_forks_of(found)
+    assert all(item["trainer_only"] for item in found["items"])
+    assert {tuple(item["hosts"]) for item in found["items"]} == {("swift",)}
+    assert found["imported_ahead"][-1]["pid"] == found["forkserver"]  # the forkserver's preload, in it
+    assert found["imported_ahead"][-1]["settings_came"]
 
 
 @pytest.mark.timeout(300)
@@ -93,6 +120,14 @@ def test_otherwise_the_warm_forkserver_is_started_by_exec(runs, case):
     why = "SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER=0" if case == "off" else "the trainer has 2 threads"
     assert f"the warm forkserver will be started by exec: {why}" in stderr, stderr[-3000:]
     _workers_are_clean_forks_of(found)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["ahead", "early"])
+def test_a_thread_started_after_the_hosts_first_import_keeps_the_first_template(runs, case):
+    found, stderr = runs[case]
+    assert "the template forked as the host began importing stays: the trainer has 2 threads" in stderr, stderr[-3000:]
+    assert "forked again" not in stderr
 
 
 @pytest.mark.timeout(300)

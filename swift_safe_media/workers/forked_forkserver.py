@@ -17,9 +17,13 @@ environment of the moment to the template instead, which makes itself what the e
 would have made (only those descriptors open, that environment, a fresh ``__main__``)
 and runs the command. Everything after that, CPython's protocol and ours, is unchanged.
 
-Where the trainer already runs threads (torch imported before, a flag only in a
-config file read after the imports), where the Python's forkserver command is not the
-one known here, or when ``SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER=0``: exec, as before.
+Where the trainer has imported more by the time ``enable()`` starts the forkserver (the
+host's modules: 150-200 MB of ms-swift's and LLaMA-Factory's), :func:`fork_ahead` forks a
+fresh template then and kills the stale one, so that the forkserver shares those too.
+A thread stops a fork, but one its library makes safe (:data:`FORK_SAFE_THREADS`). Where
+the trainer runs another (torch imported before, a flag only in a config file read after
+the imports), the Python's forkserver command is not the one known here, or with
+``SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER=0``: exec, as before (or the stale template).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import struct
 import sys
 import threading
 import types
+import warnings
 
 from .. import config, process
 from ..engine import transport
@@ -50,6 +55,11 @@ log = logging.getLogger("swift_safe_media")
 # cannot be: the fork point is inside the host's own first import.
 EARLY_IMPORTS = ("torch",)
 EARLY_IMPORTS_OF_HOSTS = ("torch", "torchvision")
+# Threads that leave a fork safe: their library takes its locks around every fork and the
+# child starts without them. jemalloc's purging thread (pthread_atfork handlers), which
+# pyarrow starts as it loads, under datasets (ms-swift, LLaMA-Factory) and LeRobot; stock
+# fork's workers fork beside it.
+FORK_SAFE_THREADS = frozenset({"jemalloc_bg_thd"})
 FORKSERVER_COMMAND = "from multiprocessing.forkserver import main"
 _HEADER = struct.Struct("!Q")
 
@@ -62,6 +72,7 @@ class Template:
         self.pid, self.orders = pid, orders
         self.parent_thread_is_main = parent_thread_is_main
         self.used = False
+        self.modules_at_fork = len(sys.modules)  # the trainer's: more later, and a fresh fork shares them
 
     @contextlib.contextmanager
     def serving(self):
@@ -89,13 +100,13 @@ class Template:
         self.used = True
         self.orders.close()
 
-    def dismiss(self) -> None:
+    def dismiss(self, patience: float = 0.2) -> None:
         """Not needed after all: it exits at the end of its orders (at once, or once the
-        module it is importing ahead is imported: killed if that takes long)."""
+        module it is importing ahead is imported: killed after ``patience`` seconds)."""
         if not self.used:
             self.used = True
             self.orders.close()
-            if not process.collected(self.pid, patience=0.2):
+            if not process.collected(self.pid, patience=patience):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
                 process.reap(self.pid, block=False, patience=2.0)
@@ -121,22 +132,40 @@ def _why_not_fork() -> str | None:
 
 
 def fork_ahead(for_hosts: bool, ahead=()) -> None:
-    """Fork the template now, if the trainer has one thread once torch (and, for a host's
-    run, torchvision) is imported; the trainer's thread settings are as they would have been.
-    The template imports ``ahead`` while it waits (the trainer parses its arguments
-    meanwhile, seconds for a host)."""
+    """Fork the template now, if the trainer has one thread (but those of
+    :data:`FORK_SAFE_THREADS`) once torch (and, for a host's run, torchvision) is imported;
+    the trainer's thread settings are as they would have been. The template imports
+    ``ahead`` while it waits (the trainer parses its arguments meanwhile, seconds for a
+    host). Where a template waits already and the trainer has imported more since, fork a
+    fresh one (it shares those modules), and the stale one goes; where the trainer may not
+    fork now, the stale one stays."""
     state = process.current()
-    if state.forkserver_template is not None:
+    stale = state.forkserver_template
+    if stale is not None and len(sys.modules) <= stale.modules_at_fork:
         return
-    why_not = _why_not_fork()
+    why_not = _why_not_fork() or (_half_imported() if stale else None)
     if why_not is None:
         _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
-        threads = thread_names()
-        if len(threads) == 1:
-            state.forkserver_template = _fork_template(ahead)
+        threads = process.thread_names()
+        if len([name for name in threads if name not in FORK_SAFE_THREADS]) == 1:
+            state.forkserver_template = _fork_template(() if stale else ahead, again=stale is not None)
+            if stale is not None:
+                stale.dismiss(patience=0)  # what it imported ahead, the fresh one shares
             return
         why_not = f"the trainer has {len(threads)} threads ({', '.join(threads)})"
-    log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
+    if stale is None:
+        log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
+    else:
+        log.debug("swift_safe_media: the template forked as the host began importing stays: %s", why_not)
+
+
+def _half_imported() -> str | None:
+    """Why not fork again now: a module is being imported (this call is inside its import,
+    LeRobot's ``enable()`` is): it would stay half-imported in the forkserver for good."""
+    for name, module in list(sys.modules.items()):
+        if getattr(getattr(module, "__spec__", None), "_initializing", False) is True:
+            return f"{name} is being imported"
+    return None
 
 
 def take() -> Template | None:
@@ -178,33 +207,27 @@ def _loaded_openblas() -> list[str]:
         return []
 
 
-def thread_names() -> list[str]:
-    """This process's threads, by their names in ``/proc``."""
-    try:
-        names = []
-        for task in sorted(os.listdir("/proc/self/task")):
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        return names
-    except OSError:
-        return ["?"] * threading.active_count()
-
-
-def _fork_template(ahead) -> Template:
+def _fork_template(ahead, again: bool = False) -> Template:
     orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     trainer, main = os.getpid(), threading.current_thread() is threading.main_thread()
-    threads = len(thread_names())  # 1: counted again as it forks, for the log
-    pid = os.fork()
+    threads = process.thread_names()  # counted again as it forks, for the log
+    hosts = tuple(host for host in _hosts_watched() if host in sys.modules)  # imported by now
+    with warnings.catch_warnings():  # Python 3.12 warns of any other thread; those left are safe
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         code = 1
         try:
             orders.close()
+            process.current().hosts_imported_ahead = hosts
             code = _become_forkserver(theirs, trainer if main else 0, ahead)
         finally:
             os._exit(code)
     theirs.close()
-    log.debug("swift_safe_media: template of the warm forkserver forked (pid %d, the trainer had %d thread)",
-              pid, threads)
+    others = [name for name in threads[1:] if name in FORK_SAFE_THREADS]
+    log.debug("swift_safe_media: template of the warm forkserver forked%s (pid %d, the trainer had 1 thread%s)",
+              " again, the trainer having imported more" if again else "", pid,
+              f" and {', '.join(others)}, which fork leaves safe" if others else "")
     return Template(pid, orders, main)
 
 
@@ -212,10 +235,16 @@ def _fork_template(ahead) -> Template:
 def _become_forkserver(orders: socket.socket, trainer: int, ahead=()) -> int:
     """Wait for the forkserver's command, make this process what its exec would have made,
     run it. Returns the exit code (this copy of the trainer never returns into its code)."""
+    trainers_name = process.name()
+    process.set_name(process.TEMPLATE_NAME)
     atexit._clear()  # the trainer's: they are not this process's to run
+    process.default_signal_handlers()
     if trainer:
         process.die_with_parent(trainer)
-    gc.collect()  # the trainer's garbage holding descriptors goes while they are still its
+    # The trainer's objects, its garbage too, are never collected here nor in what this
+    # forks: a collection would write to every page holding one (copying the trainer's
+    # heap), and a finalizer would close descriptors that are no longer theirs.
+    gc.freeze()
     keep = orders.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536)
@@ -236,7 +265,6 @@ def _become_forkserver(orders: socket.socket, trainer: int, ahead=()) -> int:
     sys.argv[:] = ["-c"]
     _leave_the_trainers_import()
     _watch_the_hosts_again()
-    trainers_name = process.name()
     process.set_name(process.FORKSERVER_NAME)
     os.register_at_fork(after_in_child=lambda: process.set_name(trainers_name))
     main = sys.modules["__main__"] = types.ModuleType("__main__")
@@ -270,6 +298,7 @@ def _import_while_waiting(orders: socket.socket, names) -> None:
     process.current().in_forkserver = True
     sys.argv[:] = ["-c"]
     os.environ.update(quiet_import_environment())
+    state = process.current()
     hosts = [host for host in _hosts_watched() if host not in sys.modules]
     try:
         for name in names:
@@ -286,7 +315,7 @@ def _import_while_waiting(orders: socket.socket, names) -> None:
     finally:
         # The start-up hook saw none of these begin here (it had, in the trainer): the
         # forkserver turns them on once it has the trainer's settings (forkserver.preload_in_forkserver).
-        process.current().hosts_imported_ahead = tuple(host for host in hosts if host in sys.modules)
+        state.hosts_imported_ahead += tuple(host for host in hosts if host in sys.modules)
 
 
 def quiet_import_environment() -> dict:

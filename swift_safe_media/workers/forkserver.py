@@ -302,7 +302,7 @@ def preload_in_forkserver() -> None:
 
         forked_forkserver.announce_hosts_imported_ahead()  # with the settings the orders brought
         zygote_start.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
-        threads_before_main = len(forked_forkserver.thread_names())
+        threads_before_main = len(process.thread_names())
         if os.getppid() == parent:
             _import_main(config.get(config.FORKSERVER_MAIN))
     finally:
@@ -317,7 +317,7 @@ def preload_in_forkserver() -> None:
     gc.collect()
     gc.freeze()
     _map_large_blocks(config.get(config.WORKER_MMAP_THRESHOLD_KB))
-    threads = forked_forkserver.thread_names()
+    threads = process.thread_names()
     os.environ[PARENT_THREADS_ENV] = str(len(threads))
     if len(threads) > 1:
         by_main = (f" ({len(threads) - threads_before_main} started by importing the main script; "

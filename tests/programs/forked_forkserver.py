@@ -12,7 +12,11 @@ on by importing ms-swift under ``SWIFT_SAFE_MEDIA=1`` (the fork happens inside t
 instead of ``enable()``; ``ahead --safe_media true``: ms-swift's flag on the command line (the
 fork happens inside its first import), ``enable()`` once the forkserver's template has
 imported ``tests.programs.imported_ahead``, the last of its preload, as ms-swift's parser
-would call it seconds later; ``early --safe_media true``: the same, ``enable()`` at once.
+would call it seconds later, a thread started meanwhile (so that the template stays);
+``early --safe_media true``: the same, ``enable()`` at once; ``again --safe_media true``:
+``enable()`` once the trainer has imported ms-swift, pyarrow (whose allocator runs a thread
+fork leaves safe) and ``tests.programs.trainer_only``, no other thread started (a fresh
+template is forked then).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class Samples:  # torch is imported after enable(), in main()
         importer.join(20)  # a forkserver holding the import lock it was forked under: for ever
         return {"index": index, "ppid": os.getppid(), "threads": started, "thread_imported": not importer.is_alive(),
                 "forkserver_threads": os.environ.get(PARENT_THREADS_ENV),
-                "sandbox": call(sandboxed.process_facts)["pid"], "hosts": sorted(host_adapters.enabled_hosts())}
+                "sandbox": call(sandboxed.process_facts)["pid"], "hosts": sorted(host_adapters.enabled_hosts()),
+                "trainer_only": "tests.programs.trainer_only" in sys.modules}
 
 
 def main():
@@ -55,9 +60,15 @@ def main():
     enabled_at = None
     if sys.argv[1:] == ["host"]:
         import swift  # noqa: F401 (the start-up hook turns protection on as it begins importing)
-    elif sys.argv[1:2] in (["ahead"], ["early"]):
+    elif sys.argv[1:2] in (["ahead"], ["early"], ["again"]):
         import swift  # noqa: F401,F811 (the start-up hook forks the template as it begins importing)
 
+        if sys.argv[1] == "again":
+            import pyarrow  # noqa: F401 (its jemalloc starts a thread)
+
+            import tests.programs.trainer_only  # noqa: F401
+        else:  # a thread the host's imports left running: the template forked before it stays
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
         waited = time.monotonic() + 120
         while sys.argv[1] == "ahead" and not _imported_ahead() and time.monotonic() < waited:
             time.sleep(0.05)
@@ -86,7 +97,25 @@ def main():
         "trainer_command": open("/proc/self/cmdline", "rb").read().decode().split("\0")[:-1],
         "forkserver_threads": threads(server), "torch_threads": torch.get_num_threads(),
         "pools": sorted((pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()),
-        "items": items, "enabled_at": enabled_at, "imported_ahead": _imported_ahead()}, default=str))
+        "items": items, "enabled_at": enabled_at, "imported_ahead": _imported_ahead(),
+        "trainer_threads": _thread_names(), "children": _children()}, default=str))
+
+
+def _thread_names() -> list[str]:
+    return [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+
+
+def _children() -> list[int]:
+    """This process's children now (the warm forkserver, the resource tracker...)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 def _imported_ahead() -> list[dict]:
