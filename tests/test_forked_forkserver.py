@@ -74,6 +74,7 @@ def test_a_trainer_with_one_thread_forks_its_warm_forkserver(runs, case):
     assert [line["pid"] for line in found["imported_ahead"]] == [found["forkserver"]], found["imported_ahead"]
     assert {tuple(item["hosts"]) for item in found["items"]} == ({()} if case == "forked" else {("swift",)})
     assert not any(item["trainer_only"] for item in found["items"])
+    assert found["usr1_caught"] == {"trainer": True, "forkserver": False}  # as an exec leaves handlers
 
 
 @pytest.mark.timeout(300)
@@ -95,6 +96,7 @@ def test_a_fresh_template_is_forked_once_the_trainer_has_imported_its_host(runs)
     assert {tuple(item["hosts"]) for item in found["items"]} == {("swift",)}
     assert found["imported_ahead"][-1]["pid"] == found["forkserver"]  # the forkserver's preload, in it
     assert found["imported_ahead"][-1]["settings_came"]
+    assert found["usr1_caught"] == {"trainer": True, "forkserver": False}  # as an exec leaves handlers
 
 
 @pytest.mark.timeout(300)

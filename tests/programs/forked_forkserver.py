@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -54,7 +55,14 @@ class Samples:  # torch is imported after enable(), in main()
                 "trainer_only": "tests.programs.trainer_only" in sys.modules}
 
 
+def caught_signals(pid="self") -> int:
+    """The mask of signals ``pid`` has a handler for (``SigCgt``)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+
+
 def main():
+    signal.signal(signal.SIGUSR1, lambda *_: None)  # the trainer's own: not the forkserver's
     if sys.argv[1:] == ["thread"]:
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
     enabled_at = None
@@ -98,7 +106,9 @@ def main():
         "forkserver_threads": threads(server), "torch_threads": torch.get_num_threads(),
         "pools": sorted((pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()),
         "items": items, "enabled_at": enabled_at, "imported_ahead": _imported_ahead(),
-        "trainer_threads": _thread_names(), "children": _children()}, default=str))
+        "trainer_threads": _thread_names(), "children": _children(),
+        "usr1_caught": {"trainer": bool(caught_signals() >> (signal.SIGUSR1 - 1) & 1),
+                        "forkserver": bool(caught_signals(server) >> (signal.SIGUSR1 - 1) & 1)}}, default=str))
 
 
 def _thread_names() -> list[str]:
