@@ -224,7 +224,7 @@ def _fork_template(ahead, again: bool = False) -> Template:
         finally:
             os._exit(code)
     theirs.close()
-    others = [name for name in threads[1:] if name in FORK_SAFE_THREADS]
+    others = [name for name in threads if name in FORK_SAFE_THREADS]
     log.debug("swift_safe_media: template of the warm forkserver forked%s (pid %d, the trainer had 1 thread%s)",
               " again, the trainer having imported more" if again else "", pid,
               f" and {', '.join(others)}, which fork leaves safe" if others else "")
