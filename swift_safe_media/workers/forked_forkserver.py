@@ -148,7 +148,7 @@ def fork_ahead(for_hosts: bool, ahead=()) -> None:
         _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
         threads = process.thread_names()
         if len([name for name in threads if name not in FORK_SAFE_THREADS]) == 1:
-            state.forkserver_template = _fork_template(() if stale else ahead, again=stale is not None)
+            state.forkserver_template = _fork_template(() if stale else ahead, threads, again=stale is not None)
             if stale is not None:
                 stale.dismiss(patience=0)  # what it imported ahead, the fresh one shares
             return
@@ -207,10 +207,10 @@ def _loaded_openblas() -> list[str]:
         return []
 
 
-def _fork_template(ahead, again: bool = False) -> Template:
+def _fork_template(ahead, threads: list[str], again: bool = False) -> Template:
+    """``threads``: the trainer's, as :func:`fork_ahead` found them (for the log)."""
     orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     trainer, main = os.getpid(), threading.current_thread() is threading.main_thread()
-    threads = process.thread_names()  # counted again as it forks, for the log
     hosts = tuple(host for host in _hosts_watched() if host in sys.modules)  # imported by now
     with warnings.catch_warnings():  # Python 3.12 warns of any other thread; those left are safe
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -295,10 +295,10 @@ def _import_while_waiting(orders: socket.socket, names) -> None:
         return
     # What the forkserver will be, already: a host's hooks that run as its modules load (its
     # flags read from the command line, say) must not take this process for a new run.
-    process.current().in_forkserver = True
+    state = process.current()
+    state.in_forkserver = True
     sys.argv[:] = ["-c"]
     os.environ.update(quiet_import_environment())
-    state = process.current()
     hosts = [host for host in _hosts_watched() if host not in sys.modules]
     try:
         for name in names:

@@ -29,11 +29,11 @@ import threading
 import time
 
 import swift_safe_media
-from swift_safe_media import call
+from swift_safe_media import call, process
 from swift_safe_media.engine.zygote_start import PARENT_THREADS_ENV
 from swift_safe_media.patching import host_adapters
 
-from tests import sandboxed
+from tests import proc_table, sandboxed
 
 
 def threads(pid="self") -> int:
@@ -55,10 +55,11 @@ class Samples:  # torch is imported after enable(), in main()
                 "trainer_only": "tests.programs.trainer_only" in sys.modules}
 
 
-def caught_signals(pid="self") -> int:
-    """The mask of signals ``pid`` has a handler for (``SigCgt``)."""
+def catches(number: int, pid="self") -> bool:
+    """Whether ``pid`` has a handler for signal ``number`` (its ``SigCgt`` mask)."""
     with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+        caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+    return bool(caught >> (number - 1) & 1)
 
 
 def main():
@@ -106,26 +107,10 @@ def main():
         "forkserver_threads": threads(server), "torch_threads": torch.get_num_threads(),
         "pools": sorted((pool["internal_api"], pool["num_threads"]) for pool in threadpool_info()),
         "items": items, "enabled_at": enabled_at, "imported_ahead": _imported_ahead(),
-        "trainer_threads": _thread_names(), "children": _children(),
-        "usr1_caught": {"trainer": bool(caught_signals() >> (signal.SIGUSR1 - 1) & 1),
-                        "forkserver": bool(caught_signals(server) >> (signal.SIGUSR1 - 1) & 1)}}, default=str))
-
-
-def _thread_names() -> list[str]:
-    return [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
-
-
-def _children() -> list[int]:
-    """This process's children now (the warm forkserver, the resource tracker...)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            pass
-    return found
+        "trainer_threads": process.thread_names(),
+        "children": [pid for pid, row in proc_table.process_table().items() if row.parent == os.getpid()],
+        "usr1_caught": {"trainer": catches(signal.SIGUSR1), "forkserver": catches(signal.SIGUSR1, server)}},
+        default=str))
 
 
 def _imported_ahead() -> list[dict]:
