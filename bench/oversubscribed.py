@@ -1,11 +1,14 @@
 """Valid decodes on oversubscribed CPUs (issue 35's load figure): K processes decode the
 same valid 720p clips at once through ms-swift's InternVL loader, with a timeout of 3x
-the idle decode time and a shared quarantine registry, once with the fair clock (time a
-sandbox waited for a CPU is not counted, up to SWIFT_SAFE_MEDIA_TIMEOUT_CEILING) and
-once without it (ceiling 1: wall time, as before). Prints decodes refused and files
-quarantined for each.
+the idle decode time (``--factor``) and a quarantine registry per side: with the fair clock
+(time a sandbox waited for a CPU is not counted, up to SWIFT_SAFE_MEDIA_TIMEOUT_CEILING),
+without it (ceiling 1: wall time), and with ``--before DIR`` the fair clock of another
+checkout (first on PYTHONPATH). The sides alternate, ``--repeat`` times. Prints, for each
+side and time, the decodes, the timeouts (those cut by the ceiling apart), every refusal
+(the timeouts and the refusals of the files they quarantined) and the slowest decode.
 
-    python bench/oversubscribed.py [--processes 6] [--clips 6] [--rounds 2]
+    python bench/oversubscribed.py [--processes 6] [--clips 6] [--rounds 2] [--factor 3]
+                                   [--repeat 1] [--before DIR]
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ def make_clips(folder: str, count: int) -> list[str]:
     return paths
 
 
-def loop(clips, rounds, env) -> subprocess.Popen:
+def loop(clips, rounds, env, code: str = ROOT) -> subprocess.Popen:
     full = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
-    full.update({"PYTHONPATH": ROOT, "SWIFT_SAFE_MEDIA_WARM_START": "0", **env})
+    full.update({"PYTHONPATH": os.pathsep.join(dict.fromkeys([code, ROOT])), "SWIFT_SAFE_MEDIA_WARM_START": "0", **env})
     return subprocess.Popen([sys.executable, "-m", "tests.programs.decode_loop", str(rounds), *clips], cwd=ROOT,
                             env=full, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
@@ -49,26 +52,34 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=6)
     parser.add_argument("--clips", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--factor", type=float, default=3.0, help="the timeout, as a multiple of the idle decode")
+    parser.add_argument("--repeat", type=int, default=1, help="times each side runs, the sides alternating")
+    parser.add_argument("--before", help="a checkout whose fair clock is a third side")
     args = parser.parse_args()
+    sides = [("fair (ceiling 5x)", "5", ROOT), ("wall time (ceiling 1)", "1", ROOT)]
+    if args.before:
+        sides.insert(1, (f"fair, {os.path.basename(os.path.normpath(args.before))}", "5", args.before))
     with tempfile.TemporaryDirectory() as folder:
         clips = make_clips(folder, args.clips)
         idle = statistics.median(result(loop(clips, 2, {}))["seconds"][len(clips):])
-        timeout = 3 * idle
+        timeout = args.factor * idle
         print(f"idle decode {idle:.2f} s; timeout {timeout:.2f} s; {args.processes} processes x {args.rounds} rounds "
               f"x {len(clips)} clips on {os.cpu_count()} CPUs")
-        print("| clock | decodes | refused | quarantined | slowest decode |\n|---|---|---|---|---|")
-        for label, ceiling in (("fair (ceiling 5x)", "5"), ("wall time (ceiling 1)", "1")):
-            registry = os.path.join(folder, f"q{ceiling}", "quarantine.jsonl")
-            env = {"SWIFT_SAFE_MEDIA_TIMEOUT": f"{timeout:.3f}", "SWIFT_SAFE_MEDIA_TIMEOUT_CEILING": ceiling,
-                   "SWIFT_SAFE_MEDIA_QUARANTINE": registry}
-            results = [result(process) for process in [loop(clips, args.rounds, env) for _ in range(args.processes)]]
-            from swift_safe_media.records import quarantine
-
-            refused = sum(len(found["failures"]) for found in results)
-            decodes = sum(len(found["seconds"]) for found in results)
-            slowest = max(max(found["seconds"][len(clips):]) for found in results)
-            print(f"| {label} | {decodes} | {refused} | {len(quarantine.Registry(registry).current())} | "
-                  f"{slowest:.2f} s |")
+        print("| clock | time | decodes | timeouts (at the ceiling) | refused | slowest decode |\n|---|---|---|---|---|---|")
+        for time_ in range(1, args.repeat + 1):
+            for label, ceiling, code in sides:
+                registry = os.path.join(folder, f"q-{label}-{time_}", "quarantine.jsonl")
+                env = {"SWIFT_SAFE_MEDIA_TIMEOUT": f"{timeout:.3f}", "SWIFT_SAFE_MEDIA_TIMEOUT_CEILING": ceiling,
+                       "SWIFT_SAFE_MEDIA_QUARANTINE": registry}
+                results = [result(process) for process in
+                           [loop(clips, args.rounds, env, code) for _ in range(args.processes)]]
+                failures = [failure for found in results for failure in found["failures"]]
+                timeouts = [failure for failure in failures if failure.startswith("MediaDecodeTimeout")]
+                capped = sum("the ceiling" in failure for failure in timeouts)
+                decodes = sum(len(found["seconds"]) for found in results)
+                slowest = max(max(found["seconds"][len(clips):]) for found in results)
+                print(f"| {label} | {time_} | {decodes} | {len(timeouts)} ({capped}) | {len(failures)} | "
+                      f"{slowest:.2f} s |", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from .. import config, process
 from ..confinement import broker as confine_broker, handed, policy as confine, reply_unpickler
 from ..errors import MACHINE, MediaDecodeError, MediaDecodeTimeout, MediaMachineFault
-from . import faults, per_call, run_folders, sandbox as sandbox_side, transport
+from . import fair_clock, faults, per_call, run_folders, sandbox as sandbox_side, transport
 from .faults import RemoteTraceback, describe_status  # noqa: F401  (RemoteTraceback: part of the API)
 from .sandbox_kinds import (BY_NAME, NETWORK, PER_CALL, PROGRAMS, by_name, forget_sandbox_setup, import_before_fork,  # noqa: F401
                             refuse_what_cannot_be_handed, sandbox_setups, set_up_sandboxes)
@@ -265,8 +265,8 @@ class SandboxPool:
         """Send one request and return its result. The sandbox goes back to the pool
         afterwards, or stays checked out with ``keep`` and a result; one that failed
         is replaced. The timeout does not count time the sandbox waited for a CPU (up to
-        a ceiling: see :class:`~.faults.FairClock`)."""
-        clock = faults.FairClock(box.pid, timeout, config.timeout_ceiling())
+        a ceiling: see :class:`~.fair_clock.FairClock`)."""
+        clock = fair_clock.FairClock(box.pid, timeout, config.timeout_ceiling())
         try:
             try:
                 box.hand_back_blocks(clock.deadline)
@@ -343,7 +343,7 @@ def _encode_request(fn, args, kwargs):
                         f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
 
 
-def _receive(box: SandboxHandle, clock: faults.FairClock):
+def _receive(box: SandboxHandle, clock: fair_clock.FairClock):
     """The sandbox's next message, by the clock's deadline, moved on by the time the
     sandbox waited for a CPU. Waiting happens before a message starts, so a deadline
     never cuts one in half; the message itself gets a second more."""

@@ -13,7 +13,7 @@ the worker can end it. So the worker says what it is doing and the trainer ends 
   written again (the trainer allows that much more).
 - **Trainer end.** While it waits for a batch (``_try_get_data``, :mod:`.respawn`), a mark
   older than the timeout (plus the time the worker was kept from a CPU, as a sandbox's
-  :class:`..engine.faults.FairClock`) gets its worker SIGKILLed, named in the log and
+  :class:`..engine.fair_clock.FairClock`) gets its worker SIGKILLed, named in the log and
   counted (the quarantine registry, where one is set, then refuses the file at once).
   A map-style dataset's worker is replaced and its tasks are sent again (:mod:`.respawn`);
   the task that hung goes with a note (:class:`Retried`), and in it the mark that hung
@@ -244,7 +244,7 @@ class Deadlines:
 
     def overdue(self, iterator) -> list[tuple[int, Mark, object]]:
         """(worker id, mark, its clock) of each active worker past its mark's deadline."""
-        from ..engine.faults import FairClock
+        from ..engine.fair_clock import FairClock
 
         found, now = [], time.monotonic()
         for worker_id, worker in enumerate(iterator._workers):

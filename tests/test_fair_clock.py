@@ -1,0 +1,69 @@
+"""The fair clock against real threads kept from the CPU by processes spinning on these
+cores, read as a caller that was itself kept from its CPU reads it: late, once the
+decoder's threads have ended. The main thread's time in the run queue counts from the
+call's start, and threads that ended before the first reading still count. (Under a loaded
+CI machine, a valid decode was refused when neither did.)"""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from swift_safe_media.engine.fair_clock import FairClock
+
+from .fresh import ROOT
+
+# Alone, after the side-by-side part of `make test`: these tests take the CPUs themselves.
+pytestmark = pytest.mark.serial
+
+
+@pytest.fixture
+def cpus_taken():
+    """Four processes spinning, each in a session of its own (as a sandbox is)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(4)]
+    yield
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
+
+
+def clock_over_threads(threads: int, seconds: float, main_seconds: float) -> tuple[float, dict]:
+    """A clock started as the child's call begins, first read only after the call's work is
+    done: what it counts as kept from a CPU, and what the child's threads say they waited."""
+    child = subprocess.Popen([sys.executable, "-m", "tests.programs.threads_that_wait", str(threads), str(seconds),
+                              str(main_seconds)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        clock = FairClock(child.pid, timeout=0.01, ceiling=1000)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        report = json.loads(child.stdout.readline())
+        assert clock.tick()  # past the deadline at the first reading: a window more
+        time.sleep(clock.window)
+        assert not clock.tick()  # the work is done: nothing more to wait for
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    return clock.waited, report
+
+
+def test_the_main_threads_wait_before_the_first_reading_counts(cpus_taken):
+    waited, report = clock_over_threads(0, 0.0, 0.2)
+    main_waited = report["main"][1]
+    print(f"main thread: {main_waited:.3f} s in the run queue over {report['took']:.3f} s; the clock: {waited:.3f} s")
+    assert main_waited > 0.05, report  # the premise: it was kept from the CPU
+    assert 0.9 * main_waited <= waited <= report["took"] + 0.05
+
+
+def test_threads_that_ended_before_the_first_reading_still_count(cpus_taken):
+    waited, report = clock_over_threads(2, 0.15, 0.05)
+    threads_waited = min(wait for _, wait in report["threads"])
+    main_waited = report["main"][1]
+    print(f"threads: {report['threads']}, main thread {report['main']}, over {report['took']:.3f} s; "
+          f"the clock: {waited:.3f} s")
+    assert threads_waited > 0.05, report  # the premise: they were kept from the CPU
+    # at least the threads' side by side, and more than the main thread alone saw
+    assert waited >= max(0.7 * threads_waited, main_waited + 0.5 * threads_waited), report
+    assert waited <= report["took"] + 0.05
