@@ -1,8 +1,9 @@
 """The fair clock against real threads kept from the CPU by processes spinning on these
 cores, read as a caller that was itself kept from its CPU reads it: late, once the
 decoder's threads have ended. The main thread's time in the run queue counts from the
-call's start, and threads that ended before the first reading still count. (Under a loaded
-CI machine, a valid decode was refused when neither did.)"""
+call's start, and threads that ended before the first reading still count, whether the clock
+read the call's start itself (a sandbox's) or was handed it (a DataLoader worker's mark).
+(Under a loaded CI machine, a valid decode was refused when neither counted.)"""
 
 import json
 import subprocess
@@ -29,9 +30,11 @@ def cpus_taken():
         hog.wait()
 
 
-def clock_over_threads(threads: int, seconds: float, main_seconds: float) -> tuple[float, dict]:
+def clock_over_threads(threads: int, seconds: float, main_seconds: float, route: str = "sandbox"):
     """A clock started as the child's call begins, first read only after the call's work is
-    done: what it counts as kept from a CPU, and what the child's threads say they waited."""
+    done: what it counts as kept from a CPU, and what the child's threads say they waited.
+    ``route``: ``sandbox``, the clock reads the child's start itself, as for a sandbox's call;
+    ``worker``, the child reads it and hands it over, as a DataLoader worker's mark does."""
     child = subprocess.Popen([sys.executable, "-m", "tests.programs.threads_that_wait", str(threads), str(seconds),
                               str(main_seconds)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -39,6 +42,10 @@ def clock_over_threads(threads: int, seconds: float, main_seconds: float) -> tup
         clock = FairClock(child.pid, timeout=0.01, ceiling=1000)
         child.stdin.write("go\n")
         child.stdin.flush()
+        start = json.loads(child.stdout.readline())
+        if route == "worker":
+            assert start["times"][0] == child.pid  # its main thread's
+            clock.restart(start["monotonic"], start["boot"], tuple(start["times"]))
         report = json.loads(child.stdout.readline())
         assert clock.tick()  # past the deadline at the first reading: a window more
         time.sleep(clock.window)
@@ -57,8 +64,9 @@ def test_the_main_threads_wait_before_the_first_reading_counts(cpus_taken):
     assert 0.9 * main_waited <= waited <= report["took"] + 0.05
 
 
-def test_threads_that_ended_before_the_first_reading_still_count(cpus_taken):
-    waited, report = clock_over_threads(2, 0.15, 0.05)
+@pytest.mark.parametrize("route", ["sandbox", "worker"])
+def test_threads_that_ended_before_the_first_reading_still_count(cpus_taken, route):
+    waited, report = clock_over_threads(2, 0.15, 0.05, route)
     threads_waited = min(wait for _, wait in report["threads"])
     main_waited = report["main"][1]
     print(f"threads: {report['threads']}, main thread {report['main']}, over {report['took']:.3f} s; "

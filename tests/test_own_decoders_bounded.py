@@ -23,6 +23,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -190,6 +192,9 @@ def test_a_slot_is_written_on_a_mark_and_cleared_as_the_task_ends(tmp_path):
     slot.mark("decord.VideoReader", "/data/a.mp4")
     mark = Mark.read(slot.file)
     assert (mark.number, mark.timeout, mark.opener, mark.media) == (1, 7.0, "decord.VideoReader", "/data/a.mp4")
+    # the marking thread's times as the mark was written: the trainer's clock counts its wait from them
+    tid, ran, waited, cpu = mark.start_times
+    assert tid == threading.get_native_id() and 0 < ran <= cpu <= time.process_time_ns() and waited >= 0
     slot.mark("decord.VideoReader.get_batch", "/data/a.mp4")  # another opener: written again
     assert Mark.read(slot.file).number == 2
     slot.end()

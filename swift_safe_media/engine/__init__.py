@@ -7,8 +7,9 @@ sandbox and what each holds before its call (:mod:`.sandbox_kinds`), both ends o
 the zygote protocol (:mod:`.zygote`), how a zygote starts (:mod:`.zygote_start`), the
 zygote a rank shares with its workers (:mod:`.shared_zygote`), the sandbox's own side
 (:mod:`.sandbox`), messages and shared memory (:mod:`.transport`, :mod:`.pickling`), the
-run's temporary folders (:mod:`.run_folders`) and whose fault a failure is
-(:mod:`.faults`). May import: the package's foundations (``config``, ``errors``,
+run's temporary folders (:mod:`.run_folders`), whose fault a failure is (:mod:`.faults`)
+and a call's deadline that does not count the time it was kept from a CPU
+(:mod:`.fair_clock`). May import: the package's foundations (``config``, ``errors``,
 ``process``, ``logs``), :mod:`..confinement`, :mod:`..records` and
 :mod:`..workers`' checks the sandbox needs; never :mod:`..hosts`, :mod:`..checks` or
 the activation layer.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 
 from .faults import _keyed_value, cgroup_files
@@ -49,16 +50,30 @@ def _thread_times(pid: int, known: dict[int, float]) -> dict[int, tuple[int, int
     return found
 
 
-def _at_start(pid: int) -> tuple[int, int, int] | None:
-    """(ns on a CPU, ns in the run queue) of ``pid``'s main thread, and ns of CPU its
-    threads have had: one short read and one clock (a few microseconds)."""
+def _schedstat(path: str) -> tuple[int, int]:
+    """(ns on a CPU, ns in the run queue) of one thread: one short read."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
-        descriptor = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY)
-        try:
-            ran, waited = (int(field) for field in os.read(descriptor, 128).split()[:2])
-        finally:
-            os.close(descriptor)
-        return ran, waited, _cpu_ns(pid)
+        ran, waited = (int(field) for field in os.read(descriptor, 128).split()[:2])
+    finally:
+        os.close(descriptor)
+    return ran, waited
+
+
+def _at_start(pid: int) -> tuple[int, int, int, int] | None:
+    """(its id, ns on a CPU, ns in the run queue) of ``pid``'s main thread, and ns of CPU
+    its threads have had: one short read and one clock (a few microseconds)."""
+    try:
+        return (pid, *_schedstat(f"/proc/{pid}/schedstat"), _cpu_ns(pid))
+    except (OSError, ValueError):
+        return None
+
+
+def this_thread_at_start() -> tuple[int, int, int, int] | None:
+    """:func:`_at_start` of the calling thread and its process, read by itself: for a clock
+    another process keeps (a DataLoader worker's mark, read by its trainer)."""
+    try:
+        return (threading.get_native_id(), *_schedstat("/proc/thread-self/schedstat"), time.process_time_ns())
     except (OSError, ValueError):
         return None
 
@@ -107,10 +122,11 @@ class FairClock:
     timeout in all.
 
     A call this process starts (:meth:`restart` without a time) reads the main thread's
-    times and the process's CPU time as it begins: two short reads. The threads are read
+    times and the process's CPU time as it begins: two short reads (a DataLoader worker reads
+    its own calling thread's, and its mark carries them). The threads are read
     from half the timeout on, every window (20-100 ms), so a decoder's threads are seen
     before they end: one started since the call began is counted whole, from its last
-    reading; the main thread from the call's start. Another thread older than the call
+    reading; the main (calling) thread from the call's start. Another thread older than the call
     (and the main thread of a call that began elsewhere) is counted from the first reading,
     its time before that taken to have gone as its time since. A thread that ended unseen
     (the caller itself kept from its CPU past the readings) shows as CPU time of the
@@ -124,15 +140,19 @@ class FairClock:
         self.window = min(0.1, max(0.02, 0.1 * timeout))
         self.restart()
 
-    def restart(self, started: float | None = None, started_boot: float | None = None) -> None:
+    def restart(self, started: float | None = None, started_boot: float | None = None,
+                start_times: tuple[int, int, int, int] | None = None) -> None:
         """A new call begins (the next of a ``call_each`` batch): now, or at ``started``
         (``time.monotonic()``) and ``started_boot`` (CLOCK_BOOTTIME), where another process
-        saw it begin."""
+        saw it begin, and read its calling thread's times then (``start_times``, from
+        :func:`this_thread_at_start`)."""
         self.started = time.monotonic() if started is None else started
         self.started_boot = time.clock_gettime(time.CLOCK_BOOTTIME) if started_boot is None else started_boot
         self.deadline = self.started + self.timeout
         self.waited, self.capped = 0.0, False
-        self._start = _at_start(self.pid) if started is None and self.ceiling > 1 else None
+        if started is None:
+            start_times = _at_start(self.pid) if self.ceiling > 1 else None
+        self._start = start_times  # (calling thread's id, its ns on a CPU and in the run queue, process CPU ns)
         # the first reading: half way to the deadline, while the threads a decode started still run
         self.next_reading = self.started + self.timeout / 2 if self.ceiling > 1 else math.inf
         self._mark = None  # (when, each thread's (run, wait), throttled ns, stolen ns) at the first reading
@@ -170,9 +190,9 @@ class FairClock:
             if born > begun:
                 waits.append(waited / 1e9)
                 runs.append(ran / 1e9)
-            elif tid == self.pid and self._start is not None:
-                waits.append((waited - self._start[1]) / 1e9)
-                runs.append((ran - self._start[0]) / 1e9)
+            elif self._start is not None and tid == self._start[0]:
+                waits.append((waited - self._start[2]) / 1e9)
+                runs.append((ran - self._start[1]) / 1e9)
             else:
                 ran_before, waited_before = at_mark.get(tid, (ran, waited))
                 waits.append((waited - waited_before) / 1e9 * scale)
@@ -188,7 +208,7 @@ class FairClock:
         if self._start is None or sum(runs) < _LEAST_SEEN_S:  # too little seen to tell a share by
             return
         try:
-            unseen = (_cpu_ns(self.pid) - self._start[2]) / 1e9 - sum(runs)
+            unseen = (_cpu_ns(self.pid) - self._start[3]) / 1e9 - sum(runs)
         except OSError:  # it has gone
             return
         if unseen > 0:

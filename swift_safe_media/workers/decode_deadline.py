@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 
 from .. import config, process
+from ..engine import fair_clock
+from ..engine.fair_clock import this_thread_at_start
 from ..errors import MediaDecodeTimeout
 
 log = logging.getLogger("swift_safe_media")
@@ -105,7 +107,9 @@ class Slot:
         written = self._written
         if written and written[0] == media and written[1] == opener and now - written[2] < REWRITE_AFTER_S:
             return
-        text = f"{now:.6f} {time.clock_gettime(time.CLOCK_BOOTTIME):.6f} {self.marks} {self.timeout!r}\n{opener}\n{media}"
+        times = " ".join(map(str, this_thread_at_start() or ()))  # the trainer's clock counts from these
+        text = (f"{now:.6f} {time.clock_gettime(time.CLOCK_BOOTTIME):.6f} {self.marks} {self.timeout!r} {times}\n"
+                f"{opener}\n{media}")
         try:
             descriptor = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
@@ -218,6 +222,7 @@ class Mark:
     timeout: float
     opener: str
     media: str
+    start_times: tuple | None = None  # the marking thread's, as fair_clock.this_thread_at_start reads them
 
     @classmethod
     def read(cls, file: str) -> "Mark | None":
@@ -225,8 +230,9 @@ class Mark:
             with open(file, "rb") as slot_file:
                 text = slot_file.read().decode(errors="replace")
             head, opener, media = text.split("\n", 2)
-            started, boot, number, timeout = head.split()
-            return cls(float(started), float(boot), int(number), float(timeout), opener, media)
+            started, boot, number, timeout, *times = head.split()
+            return cls(float(started), float(boot), int(number), float(timeout), opener, media,
+                       tuple(map(int, times)) if len(times) == 4 else None)
         except (OSError, ValueError):  # none, or being written: read again at the next look
             return None
 
@@ -244,8 +250,6 @@ class Deadlines:
 
     def overdue(self, iterator) -> list[tuple[int, Mark, object]]:
         """(worker id, mark, its clock) of each active worker past its mark's deadline."""
-        from ..engine.fair_clock import FairClock
-
         found, now = [], time.monotonic()
         for worker_id, worker in enumerate(iterator._workers):
             if not iterator._workers_status[worker_id] or worker.pid is None:
@@ -257,9 +261,9 @@ class Deadlines:
             key = (worker.pid, mark)
             clock = self._clocks.get(key)
             if clock is None:
-                clock = self._clocks[key] = FairClock(worker.pid, mark.timeout + GRACE_S,
+                clock = self._clocks[key] = fair_clock.FairClock(worker.pid, mark.timeout + GRACE_S,
                                                      config.get(config.TIMEOUT_CEILING))
-                clock.restart(mark.started, mark.started_boot)  # its first reading is due now
+                clock.restart(mark.started, mark.started_boot, mark.start_times)  # its first reading is due now
             if now >= clock.wake_at() and not clock.tick():
                 found.append((worker_id, mark, clock))
         return found

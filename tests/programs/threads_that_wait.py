@@ -1,8 +1,9 @@
 """Threads that burn CPU natively and end, each reporting its own time in the run queue:
 ``python -m tests.programs.threads_that_wait THREADS SECONDS MAIN_SECONDS``.
 
-Prints ``ready``, waits for a line on stdin, then runs THREADS threads of SECONDS of CPU
-each (hashing, the GIL released) and joins them, burns MAIN_SECONDS of CPU in the main
+Prints ``ready``, waits for a line on stdin, prints where its call begins (a JSON line: its
+clocks, and its main thread's times as a DataLoader worker's mark carries them), then runs
+THREADS threads of SECONDS of CPU each (hashing, the GIL released) and joins them, burns MAIN_SECONDS of CPU in the main
 thread, prints one JSON line (each thread's and the main thread's seconds on a CPU and in
 the run queue, from their own ``schedstat``, and the seconds it all took) and sleeps until
 stdin closes."""
@@ -12,6 +13,8 @@ import json
 import sys
 import threading
 import time
+
+from swift_safe_media.engine.fair_clock import this_thread_at_start
 
 BUFFER = bytes(1 << 20)
 
@@ -36,6 +39,8 @@ def main() -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     began = time.monotonic()
+    print(json.dumps({"monotonic": began, "boot": time.clock_gettime(time.CLOCK_BOOTTIME),
+                      "times": this_thread_at_start()}), flush=True)
     ended: list = []
     workers = [threading.Thread(target=burn, args=(seconds, ended)) for _ in range(threads)]
     mine: list = []
