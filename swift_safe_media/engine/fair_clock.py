@@ -121,18 +121,18 @@ class FairClock:
     on its file, plus the time it was kept from a CPU, at most ``ceiling`` times the
     timeout in all.
 
-    A call this process starts (:meth:`restart` without a time) reads the main thread's
-    times and the process's CPU time as it begins: two short reads (a DataLoader worker reads
-    its own calling thread's, and its mark carries them). The threads are read
-    from half the timeout on, every window (20-100 ms), so a decoder's threads are seen
-    before they end: one started since the call began is counted whole, from its last
-    reading; the main (calling) thread from the call's start. Another thread older than the call
-    (and the main thread of a call that began elsewhere) is counted from the first reading,
-    its time before that taken to have gone as its time since. A thread that ended unseen
-    (the caller itself kept from its CPU past the readings) shows as CPU time of the
-    process that no seen thread had: it is taken to have waited as the seen threads did.
-    :func:`time_lost` turns the threads' times into the call's loss. Time its cgroup was
-    throttled, or that the hypervisor stole from this machine's CPUs, counts too, where
+    As a call starts here (:meth:`restart` without a time), the main thread's times and
+    the process's CPU time are read: two short reads. (A DataLoader worker reads them for
+    its calling thread itself, and its mark carries them.) From half the timeout on, the
+    threads are read every window (20-100 ms), so a decoder's threads are seen before they
+    end. A thread started since the call began counts whole, from its last reading; the
+    main (calling) thread counts from the call's start. Another thread older than the call,
+    or the main thread of a call whose start was not read, counts from the first reading,
+    and its time before that is taken to have gone as its time since. A thread that ended
+    unseen (the caller itself kept from its CPU past the readings) shows as CPU time of
+    the process that no seen thread had: it is taken to have waited as the seen threads
+    did. :func:`time_lost` turns the threads' times into the call's loss. Time its cgroup
+    was throttled, or that the hypervisor stole from this machine's CPUs, counts too, where
     more."""
 
     def __init__(self, pid: int, timeout: float, ceiling: float):

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 
 from .. import config, process
 from ..engine import fair_clock
-from ..engine.fair_clock import this_thread_at_start
 from ..errors import MediaDecodeTimeout
 
 log = logging.getLogger("swift_safe_media")
@@ -107,7 +106,7 @@ class Slot:
         written = self._written
         if written and written[0] == media and written[1] == opener and now - written[2] < REWRITE_AFTER_S:
             return
-        times = " ".join(map(str, this_thread_at_start() or ()))  # the trainer's clock counts from these
+        times = " ".join(map(str, fair_clock.this_thread_at_start() or ()))  # the trainer's clock counts from these
         text = (f"{now:.6f} {time.clock_gettime(time.CLOCK_BOOTTIME):.6f} {self.marks} {self.timeout!r} {times}\n"
                 f"{opener}\n{media}")
         try:
