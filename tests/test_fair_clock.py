@@ -6,6 +6,7 @@ read the call's start itself (a sandbox's) or was handed it (a DataLoader worker
 (Under a loaded CI machine, a valid decode was refused when neither counted.)"""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.serial
 
 @pytest.fixture
 def cpus_taken():
-    """Four processes spinning, each in a session of its own (as a sandbox is)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(4)]
+    """Two processes spinning per CPU, each in a session of its own (as a sandbox is)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(2 * len(os.sched_getaffinity(0)))]
     yield
     for hog in hogs:
         hog.kill()

@@ -202,13 +202,14 @@ def tree_of(root: int, names=(SANDBOX_NAME, ZYGOTE_NAME)) -> list[tuple[int, str
     return found
 
 
-def next_victim(root: int, target: str, first_seen: dict, within: float = 60):
-    """Wait for what ``target`` names under ``root``: a sandbox decoding (running, up for
-    1.5 s: the decode retried after the last kill is done) or its zygote then, or a zygote
-    starting (no sandbox yet). Returns its pid, or None."""
+def next_victim(root: int, target: str, first_seen: dict, killed: set, within: float = 60):
+    """Wait for what ``target`` names under ``root``, never one of ``killed`` (it may not have
+    died yet): a sandbox decoding (running, up for 1.5 s: the decode retried after the last
+    kill is done) or its zygote then, or a zygote starting (no sandbox yet). Returns its
+    pid, or None."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        found = fault_killer.descendants(root)
+        found = {pid: seen for pid, seen in fault_killer.descendants(root).items() if pid not in killed}
         now = time.monotonic()
         for pid in found:
             first_seen.setdefault(pid, now)
@@ -226,23 +227,27 @@ def next_victim(root: int, target: str, first_seen: dict, within: float = 60):
 def test_kills_of_sandboxes_and_zygotes_mid_decode_or_mid_start_cost_no_valid_sample(clips, tmp_path):
     """The issue's repro, each kind of kill on purpose: a loop decoding valid clips while
     the test SIGKILLs a sandbox mid-decode, its zygote mid-decode, the next zygote as it
-    starts, and so on, at least 2 s apart."""
+    starts, and so on, at least 2 s apart (the starting zygote at once: on a quick machine
+    its start is over within 2 s, and CI's once was)."""
     registry = tmp_path / "quarantine.jsonl"
     busy = tmp_path / "keep_decoding"  # the loop decodes until every kill is done
     busy.touch()
     loop = decode_loop(clips["valid"], {"SWIFT_SAFE_MEDIA_QUARANTINE": str(registry),
                                         "SWIFT_SAFE_MEDIA_TIMEOUT": "30", "DECODE_LOOP_WHILE": str(busy)}, rounds=8)
-    kills, first_seen = [], {}
-    for target in ("sandbox", "zygote", "starting zygote", "sandbox", "zygote", "sandbox"):
-        victim = next_victim(loop.pid, target, first_seen)
+    kills, first_seen, killed = [], {}, set()
+    plan = ("sandbox", "zygote", "starting zygote", "sandbox", "zygote", "sandbox")
+    for target, following in zip(plan, plan[1:] + (None,)):
+        victim = next_victim(loop.pid, target, first_seen, killed)
         if victim is None or loop.poll() is not None:
             break
         try:
             os.kill(victim, signal.SIGKILL)
             kills.append(target)
+            killed.add(victim)
         except ProcessLookupError:
             pass
-        time.sleep(2.0)
+        if following != "starting zygote":
+            time.sleep(2.0)
     busy.unlink()
     result, err = finished(loop)
     retried = err.count("trying again in a fresh sandbox")
