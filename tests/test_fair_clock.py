@@ -47,7 +47,8 @@ def clock_over_threads(threads: int, seconds: float, main_seconds: float, route:
         start = json.loads(child.stdout.readline())
         if route == "worker":
             assert start["times"][0] == child.pid  # its main thread's
-            clock.restart(start["monotonic"], start["boot"], tuple(start["times"]))
+            clock = FairClock(child.pid, timeout=0.01, ceiling=1000, started=start["monotonic"],
+                              started_boot=start["boot"], start_times=tuple(start["times"]))  # as the trainer makes it
         report = json.loads(child.stdout.readline())
         assert clock.tick()  # past the deadline at the first reading: a window more
         time.sleep(clock.window)

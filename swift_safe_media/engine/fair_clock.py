@@ -39,8 +39,7 @@ def _thread_times(pid: int, known: dict[int, float]) -> dict[int, tuple[int, int
     for name in tids:
         tid = int(name)
         try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                ran, waited = (int(field) for field in stat.read().split()[:2])
+            ran, waited = _schedstat(f"/proc/{pid}/task/{tid}/schedstat")
             if tid not in known:
                 with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat:
                     known[tid] = int(stat.read().rsplit(b")", 1)[1].split()[19]) * _TICK_S
@@ -135,10 +134,11 @@ class FairClock:
     was throttled, or that the hypervisor stole from this machine's CPUs, counts too, where
     more."""
 
-    def __init__(self, pid: int, timeout: float, ceiling: float):
+    def __init__(self, pid: int, timeout: float, ceiling: float, started: float | None = None,
+                 started_boot: float | None = None, start_times: tuple[int, int, int, int] | None = None):
         self.pid, self.timeout, self.ceiling = pid, timeout, max(ceiling, 1.0)
         self.window = min(0.1, max(0.02, 0.1 * timeout))
-        self.restart()
+        self.restart(started, started_boot, start_times)
 
     def restart(self, started: float | None = None, started_boot: float | None = None,
                 start_times: tuple[int, int, int, int] | None = None) -> None:

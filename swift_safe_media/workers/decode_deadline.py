@@ -260,9 +260,10 @@ class Deadlines:
             key = (worker.pid, mark)
             clock = self._clocks.get(key)
             if clock is None:
+                # begun where the worker marked it: its first reading is due now
                 clock = self._clocks[key] = fair_clock.FairClock(worker.pid, mark.timeout + GRACE_S,
-                                                     config.get(config.TIMEOUT_CEILING))
-                clock.restart(mark.started, mark.started_boot, mark.start_times)  # its first reading is due now
+                                                                 config.get(config.TIMEOUT_CEILING), mark.started,
+                                                                 mark.started_boot, mark.start_times)
             if now >= clock.wake_at() and not clock.tick():
                 found.append((worker_id, mark, clock))
         return found
