@@ -16,6 +16,7 @@ workers, forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline
 does). Prints medians, their ratios, and the spread over rounds, with the load average.
 
     python bench/lerobot_train.py [--lerobot 0.4|0.6] [--rounds 3] [--steps 20] [--policy tiny|act] [--workers 2]
+        [--unfrozen]
 """
 
 import argparse
@@ -30,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENVS = {"0.4": REPO / ".venv-lerobot", "0.6": REPO / ".venv-lerobot-0.6"}
 LEROBOT_VENV = VENVS["0.4"]
-# Each side: (the extra arguments, whether protected).
+# Each side: (the extra arguments, whether protected[, its environment]).
 SIDES = {"0.4": {"stock": ([], False), "ours": ([], True)},
          "0.6": {"stock-spawn": ([], False), "stock-fork": (["--dataloader_multiprocessing_context=fork"], False),
                  "ours": ([], True)}}
@@ -73,7 +74,7 @@ def train(root: Path, output_dir: Path, steps: int, side: tuple, policy: str = "
           lerobot: str = "0.4") -> tuple[float, float, float, float, str]:
     """(wall seconds, first batch's wait in seconds, steady samples/s, peak PSS in MB,
     where it was) of one lerobot-train run."""
-    extra, protected = side
+    extra, protected, *environment = side
     no_env_eval = "--env_eval_freq=0" if lerobot == "0.6" else "--eval_freq=0"
     command = [str(VENVS[lerobot] / "bin" / "lerobot-train"), "--dataset.repo_id=local/safe_media_test",
                f"--dataset.root={root}", "--policy.type=act", "--policy.device=cpu", "--policy.push_to_hub=false",
@@ -81,7 +82,7 @@ def train(root: Path, output_dir: Path, steps: int, side: tuple, policy: str = "
                f"--num_workers={workers}", f"--steps={steps}", "--log_freq=1", "--save_checkpoint=false", no_env_eval,
                "--wandb.enable=false", f"--output_dir={output_dir}", *extra]
     env = {name: value for name, value in os.environ.items() if not name.startswith("SWIFT_SAFE_MEDIA")}
-    env.update(OFFLINE, **THREADS)
+    env.update(OFFLINE, **THREADS, **(environment[0] if environment else {}))
     if protected:
         command.append("--safe_media=true")
     else:
@@ -112,11 +113,15 @@ def main():
     parser.add_argument("--policy", choices=sorted(POLICIES), default="tiny",
                         help="ACT's size: tiny (the trainer holds almost nothing) or act (LeRobot's defaults)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (LeRobot's default: 4)")
+    parser.add_argument("--unfrozen", action="store_true", help="a side more: protected, the trainer's objects "
+                        "not frozen at the forkserver's fork (SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS=0)")
     args = parser.parse_args()
     LEROBOT_VENV = VENVS[args.lerobot]
     if not (LEROBOT_VENV / "bin" / "lerobot-train").exists():
         sys.exit(f"{LEROBOT_VENV} is missing: `make test` builds it")
-    sides = SIDES[args.lerobot]
+    sides = dict(SIDES[args.lerobot])
+    if args.unfrozen:
+        sides["ours-unfrozen"] = ([], True, {"SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS": "0"})
     names = list(sides)
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-lerobot-train-") as folder:
@@ -128,10 +133,10 @@ def main():
                 output_dir = Path(folder) / f"out-{number}-{name}"
                 results[name].append(train(root, output_dir, args.steps, sides[name], args.policy, args.workers,
                                            args.lerobot))
-                print_round(number, name, results[name][-1])
+                print_round(number, name, results[name][-1], digits=2)
     print(f"lerobot-train {args.lerobot}, {args.policy} ACT, {args.steps} steps, {args.workers} workers, "
           f"{args.rounds} rotating rounds (medians [spread]); load average after: {load()}")
-    print_medians(results, names)
+    print_medians(results, names, digits=2)
 
 
 def print_round(number: int, name: str, result: tuple, digits: int = 1) -> None:

@@ -14,7 +14,7 @@ samples/s (the second half of the steps), and the peak PSS of the whole process 
 ``python bench/llamafactory.py --run CONFIG``, which times ``Trainer.get_train_dataloader``
 and ``Trainer.training_step`` and then runs LLaMA-Factory's own CLI.
 
-    python bench/llamafactory.py [--rounds 3] [--rows 32]
+    python bench/llamafactory.py [--rounds 3] [--rows 32] [--roots] [--exec] [--per-call] [--unfrozen]
 """
 
 import argparse
@@ -107,6 +107,8 @@ def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float,
         env["SWIFT_SAFE_MEDIA_READ_ROOTS"] = str(folder)
     if name.endswith("exec"):  # the warm forkserver started by exec, as before issue 45
         env["SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER"] = "0"
+    if name.endswith("unfrozen"):  # the trainer's objects not frozen at the forkserver's fork
+        env["SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS"] = "0"
     if name.endswith("per-call"):  # a sandbox per read, as before the open broker
         env["SWIFT_SAFE_MEDIA_OPEN_BROKER"] = "0"
     pipeline = _bench("pipeline")
@@ -131,6 +133,8 @@ def main():
                         help="a side more: protected, the warm forkserver started by exec (not forked from the trainer)")
     parser.add_argument("--per-call", action="store_true",
                         help="a side more: protected, a sandbox per read (SWIFT_SAFE_MEDIA_OPEN_BROKER=0)")
+    parser.add_argument("--unfrozen", action="store_true", help="a side more: protected, the trainer's objects "
+                        "not frozen at the forkserver's fork (SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS=0)")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one side, inside LLaMA-Factory's interpreter
     args = parser.parse_args()
     if args.run:
@@ -138,7 +142,7 @@ def main():
     if not (VENV / "bin" / "llamafactory-cli").exists():
         sys.exit(f"{VENV} is missing: `make test` builds it")
     names = ["stock", "ours"] + (["ours-roots"] if args.roots else []) + (["ours-exec"] if args.exec else []) + \
-        (["ours-per-call"] if args.per_call else [])
+        (["ours-per-call"] if args.per_call else []) + (["ours-unfrozen"] if args.unfrozen else [])
     report = _bench("lerobot_train")
     load = report.load
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)

@@ -21,6 +21,7 @@ import time in a worker.
     .venv/bin/python bench/pipeline.py [--rows 6] [--rounds 2] [--workers 2]
         [--only swift|lerobot] [--lerobot-setup-seconds 0] [--protected-context spawn|forkserver|fork|default]
         [--protected-env SWIFT_SAFE_MEDIA_THREADS=1 ...] [--stock-context fork] [--breakdown]
+        [--variant-env SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS=0 ...]
 
 The issue's full run: ``--rows 24 --rounds 3 --lerobot-batches 60``.
 """
@@ -126,10 +127,11 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _memory_kb(pid: int) -> dict:
-    """Pss, its anonymous and file-backed parts, and what only this process holds (USS), in kB."""
-    wanted = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Private_Clean:": "uss",
-              "Private_Dirty:": "uss"}
-    found = {"pss": 0, "anon": 0, "file": 0, "uss": 0}
+    """Pss, its anonymous, file-backed and shared-memory (memfd: results crossing to or kept by
+    a sandbox) parts, and what only this process holds (USS), in kB."""
+    wanted = {"Pss:": "pss", "Pss_Anon:": "anon", "Pss_File:": "file", "Pss_Shmem:": "shmem",
+              "Private_Clean:": "uss", "Private_Dirty:": "uss"}
+    found = {"pss": 0, "anon": 0, "file": 0, "shmem": 0, "uss": 0}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             for line in rollup:
@@ -180,7 +182,7 @@ class TreeMemory(threading.Thread):
             for pid in tree:
                 memory = _memory_kb(pid)
                 role = roles.setdefault(_role(pid, self.pid, forkservers),
-                                        {"count": 0, "pss": 0, "anon": 0, "file": 0, "uss": 0})
+                                        {"count": 0, "pss": 0, "anon": 0, "file": 0, "shmem": 0, "uss": 0})
                 role["count"] += 1
                 for key, value in memory.items():
                     role[key] += value
@@ -201,6 +203,7 @@ def describe_memory(at_peak: dict) -> str:
         plural = ("es" if role.endswith("x") else "s") if facts["count"] > 1 else ""
         parts.append(f"{count}{role}{plural} {facts['pss'] / 1024:.0f} "
                      f"(anon {facts['anon'] / 1024:.0f}, file {facts['file'] / 1024:.0f}, "
+                     f"shmem {facts.get('shmem', 0) / 1024:.0f}, "
                      f"own {facts['uss'] / 1024:.0f})")
     return ", ".join(parts)
 
@@ -473,13 +476,15 @@ def report(pipeline: str, results: dict, what: str) -> None:
     medians = {side: {key: statistics.median(r[key] for r in runs) for key in TARGETS}
                for side, runs in results.items()}
     for key, (direction, target) in TARGETS.items():
-        stock, protected = medians["stock"][key], medians["protected"][key]
+        stock = medians["stock"][key]
         spread = {side: ", ".join(f"{r[key]:.2f}" for r in runs) for side, runs in results.items()}
-        ratio = protected / stock
-        met = ratio <= target if direction == "<=" else ratio >= target
-        print(f"  {key:22s} stock {stock:8.2f} [{spread['stock']}]  protected {protected:8.2f} "
-              f"[{spread['protected']}]  ratio {ratio:.2f}x (target {direction} {target}x: "
-              f"{'met' if met else 'NOT met'})")
+        for side in [name for name in results if name != "stock"]:
+            protected = medians[side][key]
+            ratio = protected / stock
+            met = ratio <= target if direction == "<=" else ratio >= target
+            print(f"  {key:22s} stock {stock:8.2f} [{spread['stock']}]  {side} {protected:8.2f} "
+                  f"[{spread[side]}]  ratio {ratio:.2f}x (target {direction} {target}x: "
+                  f"{'met' if met else 'NOT met'})")
 
 
 def _load() -> str:
@@ -508,6 +513,8 @@ def main() -> None:
     parser.add_argument("--protected-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for the protected side (repeat), e.g. SWIFT_SAFE_MEDIA_THREADS=1")
     parser.add_argument("--stock-env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--variant-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a third side, 'variant': protected, with these variables besides --protected-env")
     parser.add_argument("--breakdown", action="store_true",
                         help="one more protected ms-swift run, instrumented: where its first batch goes")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "swift-safe-media-bench-pipeline"),
@@ -535,6 +542,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     env_of = {"stock": dict(item.split("=", 1) for item in args.stock_env),
               "protected": dict(item.split("=", 1) for item in args.protected_env)}
+    env_of["variant"] = {**env_of["protected"], **dict(item.split("=", 1) for item in args.variant_env)}
+    names = ["stock", "protected"] + (["variant"] if args.variant_env else [])
     args.breakdown_dir = None
     print(f"load average before: {_load()} ({os.cpu_count()} cores); workers {args.workers}; "
           f"stock context {args.stock_context}, protected context {args.protected_context or 'ours (default)'}; "
@@ -551,11 +560,10 @@ def main() -> None:
                           + (f", {args.lerobot_setup_seconds:g} s between dataset and first batch"
                              if args.lerobot_setup_seconds else "")))
     for pipeline, inputs, what in pipelines:
-        results = {"stock": [], "protected": []}
+        results = {name: [] for name in names}
         for number in range(args.rounds):
-            order = ("stock", "protected") if number % 2 == 0 else ("protected", "stock")
-            for side in order:
-                result = run_side(pipeline, side, args, inputs, env_of[side])
+            for side in names[number % len(names):] + names[:number % len(names)]:  # rotated each round
+                result = run_side(pipeline, "protected" if side == "variant" else side, args, inputs, env_of[side])
                 results[side].append(result)
                 print(f"  [{pipeline} round {number + 1} {side}] first batch {result['first_batch_s']:.2f} s, "
                       f"{result['steady_samples_per_s']:.2f} samples/s, peak PSS {result['peak_pss_mb']:.0f} MB "

@@ -153,6 +153,11 @@ FORKSERVER_FROM_TRAINER = _declare("SWIFT_SAFE_MEDIA_FORKSERVER_FROM_TRAINER", S
                                    "the warm forkserver is forked from the trainer, sharing its torch, where "
                                    "protection is asked for while the trainer has one thread (see "
                                    "workers/forked_forkserver.py); `0`: started by exec")
+FREEZE_TRAINER_OBJECTS = _declare("SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS", SWITCH, True,
+                                  "where the warm forkserver is forked from the trainer, the trainer's "
+                                  "objects alive at that fork are frozen (`gc.freeze()`), so that its "
+                                  "collections leave the pages it shares with the forkserver's family "
+                                  "unwritten; `0`: they are not")
 WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
                           "more modules the warm forkserver imports for DataLoader workers")
 # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so

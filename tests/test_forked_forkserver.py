@@ -5,7 +5,8 @@ forkserver is a fork of the trainer and shares its torch (with the flag, its tem
 imports the forkserver's preload while the trainer goes on to ``enable()``, and where the
 trainer has imported more by then and may still fork, a fresh template forked then takes its
 place, sharing those modules too); it has one thread as it forks, its workers start with one
-thread and may import from threads; the trainer's thread pools are as without it. Where the
+thread and may import from threads; the trainer's thread pools are as without it, and its objects of the moment of the fork are frozen,
+so that its collections leave the pages it shares unwritten. Where the
 trainer already runs a thread (but one a fork leaves safe: jemalloc's), the forkserver is
 started by exec as before. Real processes."""
 
@@ -140,3 +141,29 @@ def test_the_trainers_thread_pools_are_as_without_the_fork(runs):
     off, _ = runs["off"]
     assert forked["torch_threads"] == off["torch_threads"]
     assert forked["pools"] == off["pools"] and any(name == "openblas" for name, _ in forked["pools"])
+
+
+@pytest.mark.timeout(300)
+def test_the_trainers_collections_leave_the_pages_it_shares_with_the_forkserver():
+    """Forked from the trainer, the forkserver shares the pages of every object the trainer
+    had then; a full collection in the trainer writes each such object's header, and so would
+    copy those pages (Python's advice: freeze before a fork without exec). Frozen, they stay
+    shared; with the setting off, or where the forkserver is started by exec (nothing shared),
+    nothing is frozen."""
+    runs = {case: subprocess.Popen([sys.executable, "-m", "tests.programs.collection_after_fork"], cwd=ROOT,
+                                   env=clean_environment(env, warm_start=True), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for case, env in {"frozen": {}, "unfrozen": {config.FREEZE_TRAINER_OBJECTS: "0"},
+                              "exec": {config.FORKSERVER_FROM_TRAINER: "0"}}.items()}
+    found = {}
+    for case, child in runs.items():
+        stdout, stderr = child.communicate(timeout=240)
+        assert child.returncode == 0, (case, stderr[-3000:])
+        found[case] = json.loads(stdout.strip().splitlines()[-1])
+    assert FORKSERVER_NAME in found["frozen"]["children"] and FORKSERVER_NAME in found["unfrozen"]["children"], found
+    assert FORKSERVER_NAME not in found["exec"]["children"], found
+    # torch's objects alone: some 30 MB of pages copied by one collection where not frozen.
+    assert found["unfrozen"]["copied_kb"] > 10_000, found
+    assert found["frozen"]["copied_kb"] < found["unfrozen"]["copied_kb"] / 10, found
+    assert found["frozen"]["frozen"] > 10_000, found
+    assert found["unfrozen"]["frozen"] == 0 and found["exec"]["frozen"] == 0, found
