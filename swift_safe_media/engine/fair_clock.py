@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from .faults import _keyed_value, cgroup_files
+from .faults import cgroup_files, keyed_value
 
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 _LEAST_SEEN_S = 0.005  # CPU seconds of the seen threads that tell the share the unseen ones waited
@@ -98,8 +98,8 @@ def _throttled_ns() -> int:
     """ns this process's cgroups were throttled by a CPU quota (the largest of them)."""
     most = 0
     for path in cgroup_files("cpu", "cpu.stat", "cpu.stat"):
-        microseconds = _keyed_value(path, "throttled_usec")  # v2
-        nanoseconds = _keyed_value(path, "throttled_time") if microseconds is None else microseconds * 1000
+        microseconds = keyed_value(path, "throttled_usec")  # v2
+        nanoseconds = keyed_value(path, "throttled_time") if microseconds is None else microseconds * 1000
         most = max(most, nanoseconds or 0)
     return most
 

@@ -179,7 +179,7 @@ def cgroup_files(v1_controller: str, v1_name: str, v2_name: str) -> tuple[str, .
     return tuple(found)
 
 
-def _keyed_value(path: str, key: str) -> int | None:
+def keyed_value(path: str, key: str) -> int | None:
     try:
         with open(path) as counters:
             for line in counters:
@@ -195,7 +195,7 @@ def oom_kills() -> dict[str, int]:
     """Every OOM-kill counter readable here: the kernel's, and each cgroup's up to the root."""
     counters = {}
     for path in ("/proc/vmstat",) + cgroup_files("memory", "memory.oom_control", "memory.events"):
-        value = _keyed_value(path, "oom_kill")
+        value = keyed_value(path, "oom_kill")
         if value is not None:
             counters[path] = value
     return counters
