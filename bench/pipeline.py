@@ -181,8 +181,7 @@ class TreeMemory(threading.Thread):
             roles: dict[str, dict] = {}
             for pid in tree:
                 memory = _memory_kb(pid)
-                role = roles.setdefault(_role(pid, self.pid, forkservers),
-                                        {"count": 0, "pss": 0, "anon": 0, "file": 0, "shmem": 0, "uss": 0})
+                role = roles.setdefault(_role(pid, self.pid, forkservers), {"count": 0, **dict.fromkeys(memory, 0)})
                 role["count"] += 1
                 for key, value in memory.items():
                     role[key] += value
@@ -203,7 +202,7 @@ def describe_memory(at_peak: dict) -> str:
         plural = ("es" if role.endswith("x") else "s") if facts["count"] > 1 else ""
         parts.append(f"{count}{role}{plural} {facts['pss'] / 1024:.0f} "
                      f"(anon {facts['anon'] / 1024:.0f}, file {facts['file'] / 1024:.0f}, "
-                     f"shmem {facts.get('shmem', 0) / 1024:.0f}, "
+                     f"shmem {facts['shmem'] / 1024:.0f}, "
                      f"own {facts['uss'] / 1024:.0f})")
     return ", ".join(parts)
 

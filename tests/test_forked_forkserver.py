@@ -5,10 +5,10 @@ forkserver is a fork of the trainer and shares its torch (with the flag, its tem
 imports the forkserver's preload while the trainer goes on to ``enable()``, and where the
 trainer has imported more by then and may still fork, a fresh template forked then takes its
 place, sharing those modules too); it has one thread as it forks, its workers start with one
-thread and may import from threads; the trainer's thread pools are as without it, and its objects of the moment of the fork are frozen,
-so that its collections leave the pages it shares unwritten. Where the
-trainer already runs a thread (but one a fork leaves safe: jemalloc's), the forkserver is
-started by exec as before. Real processes."""
+thread and may import from threads; the trainer's thread pools are as without it, and its
+objects of the moment of the fork are frozen, so that its collections leave the pages it
+shares unwritten. Where the trainer already runs a thread (but one a fork leaves safe:
+jemalloc's), the forkserver is started by exec as before. Real processes."""
 
 from __future__ import annotations
 
