@@ -8,6 +8,7 @@ tests/test_lerobot*.py, tests/test_swift_*.py and tests/test_llamafactory*.py (r
 from __future__ import annotations
 
 import pathlib
+import sys
 import re
 
 import pytest
@@ -145,6 +146,54 @@ def test_the_inputs_of_a_real_loader(monkeypatch, no_user_start_method):
 
     monkeypatch.setenv("SWIFT_SAFE_MEDIA_MP_CONTEXT", "default")
     assert StartInputs(loader).configured == "default"
+
+
+class CollatorHoldingAModel:
+    """As LLaMA-Factory's collators do: the model, its tokenizer, and an array of its own."""
+
+    def __init__(self):
+        import numpy
+        import tokenizers
+
+        self.model = torch.nn.Linear(1024, 1024)  # 4 MiB of parameters
+        self.table = numpy.ones((4, 1024, 1024), dtype=numpy.float64)  # 32 MiB
+        vocab = {f"word{index}": index for index in range(50_000)}
+        self.tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="word0"))
+
+    def __call__(self, batch):
+        return batch
+
+
+def test_the_start_check_writes_stand_ins_for_tensors_arrays_and_tokenizers(monkeypatch, no_user_start_method):
+    """Rows 4 and 6 pickle the dataset and collator: a copy of a 64 MiB tensor, a model's
+    weights, an array and a tokenizer's vocabulary there is memory and time the trainer
+    spends at each start of its workers. They are stand-ins; what the check learns is kept."""
+    import pickle
+
+    from torch.utils.data import TensorDataset
+
+    from swift_safe_media.workers import spawn_guard
+
+    dataset, collator = TensorDataset(torch.zeros(16, 1024, 1024)), CollatorHoldingAModel()
+    inputs = StartInputs(DataLoader(dataset, num_workers=2, collate_fn=collator))
+    assert inputs.unpicklable is None and inputs.main_names == frozenset()
+    as_stock_pickles = len(pickle.dumps((dataset, collator, None)))
+    assert as_stock_pickles > 100 * 2**20  # the tensor, the weights, the array, the vocabulary
+    assert len(inputs.pickled) < 64 * 1024, len(inputs.pickled)
+
+    # A class of __main__ is still noted beside them, and still found in the bytes.
+    held = type("Held", (), {"__module__": "__main__"})
+    monkeypatch.setattr(sys.modules["__main__"], "Held", held, raising=False)
+    holder = held()
+    holder.weights = torch.ones(1024, 1024)
+    pickled, names = spawn_guard.pickle_noting_main(holder)
+    assert names == {"Held"} and spawn_guard._names_main(pickled) and len(pickled) < 4096
+
+    # A tensor carrying attributes is pickled with them (its storage still stands in).
+    tagged = torch.ones(1024, 1024)
+    tagged.source = held()
+    pickled, names = spawn_guard.pickle_noting_main(tagged)
+    assert names == {"Held"} and len(pickled) < 4096
 
 
 def test_apply_writes_once_and_warns_once(caplog, no_user_start_method):

@@ -158,6 +158,17 @@ def test_a_killed_shared_zygote_is_replaced_by_one_of_the_callers_own():
 
 
 @pytest.mark.timeout(300)
+def test_a_forked_child_that_exits_leaves_the_shared_zygote_alone():
+    """multiprocessing's at-exit handler in a child of os.fork finds the parent's daemon
+    children in its copy of their list and terminates them: it sent the zygote SIGTERM."""
+    found, stderr = _run("child_exits")
+    assert found["child_status"] == 0 and "can only join a child process" not in found["child_stderr"]
+    assert found["zygote_state"] and not found["zygote_state"].startswith("Z")
+    assert found["before"]["ppid"] == found["after"]["ppid"] == found["zygote"]
+    assert "the shared zygote is not answering" not in stderr
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("expected", ["workers", "unknown", "none"])
 def test_a_run_without_workers_gets_the_zygote_and_no_forkserver(expected):
     """`swift infer` has no DataLoader workers: its zygote starts early all the same (by

@@ -14,6 +14,7 @@ the owner's temporary folders if the owner was killed.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -129,6 +130,10 @@ class SharedZygote:
             sock.close()
         if isinstance(self.process, subprocess.Popen):
             self.process.returncode = 0
+        elif self.process is not None:
+            # multiprocessing's at-exit terminates every daemon child it lists, and a fork copies
+            # the list: a child of os.fork that exits normally would send the zygote SIGTERM.
+            multiprocessing.process._children.discard(self.process)
 
 
 def _running(child) -> bool:

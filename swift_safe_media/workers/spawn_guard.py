@@ -86,15 +86,43 @@ def main_unreachable(pickled, main_names=frozenset) -> str | None:
     return None
 
 
+# Types whose pickle succeeds, names nothing of ``__main__``, and can be gigabytes: the check
+# writes a stand-in for each (``_stands_in``) rather than a copy of its data. Plain pickle copies
+# a tensor's whole storage (twice, through ``torch.save``), where the workers' own pickler
+# shares it: a dataset of tensors, or LLaMA-Factory's collator holding the model, cost the
+# trainer that much memory and time at every start of its workers.
+PLAIN_DATA_TYPES = frozenset({
+    ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    ("numpy", "ndarray"),  # without Python objects inside (dtype.hasobject)
+    ("tokenizers", "Tokenizer"),  # a tokenizer's vocabulary, written out as JSON
+})
+
+
+def _stands_in(obj) -> bool:
+    kind = type(obj)
+    if (kind.__module__, kind.__qualname__) not in PLAIN_DATA_TYPES:
+        return False
+    if kind.__module__ == "numpy":
+        return not obj.dtype.hasobject
+    if kind.__qualname__ in ("Tensor", "Parameter"):
+        return not vars(obj)  # attributes set on a tensor are pickled as before (its storage stands in)
+    return True
+
+
 def pickle_noting_main(value) -> tuple[bytes, frozenset[str]]:
-    """``pickle.dumps(value)``, and the qualified names of the classes and functions of
-    ``__main__`` it refers to (pickled by name: a child must find them in its main module)."""
+    """``pickle.dumps(value)`` with a stand-in for each array, tensor and tokenizer
+    (:data:`PLAIN_DATA_TYPES`), and the qualified names of the classes and functions of
+    ``__main__`` it refers to (pickled by name: a child must find them in its main module).
+    The bytes are for reading (:func:`_names_main`), not for loading."""
     names: set[str] = set()
 
     class Noting(pickle.Pickler):
         def reducer_override(self, obj):
             if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
                 names.add(obj.__qualname__)
+            elif _stands_in(obj):
+                return bytes, ()
             return NotImplemented
 
     buffer = io.BytesIO()

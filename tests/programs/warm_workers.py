@@ -17,6 +17,9 @@ zygote per process that enables protection).
 - ``trainer_killed``: the parent draws a few samples, so that its workers go idle, prints
   the pids of its forkserver, workers, zygote and their sandboxes, then SIGKILLs itself;
 - ``zygote_dies``: the shared zygote is killed between two calls of the parent;
+- ``child_exits``: a child of ``os.fork`` makes a call and exits as a program does (its
+  at-exit handlers run), between two calls of the parent: the zygote's pid and state after it,
+  and the child's exit status and stderr;
 - ``what_starts``: what ``enable()`` starts, given what the host knows of the run;
 - ``slow_arguments``: a dataset whose unpickling waits for a file the parent creates only
   once ``iter(loader)`` has returned, then reads 2 MB more (past a pipe's buffer): how long
@@ -189,6 +192,28 @@ def zygote_dies(_method):
     return {"zygote": owner.pid, "before": before, "after": after}
 
 
+def child_exits(_method):
+    import subprocess
+    import tempfile
+
+    swift_safe_media.enable(hosts=[])
+    owner = process.current().shared_zygote
+    owner.ready.wait(120)
+    before = call(sandbox_facts)
+    stderr = tempfile.TemporaryFile()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(stderr.fileno(), 2)
+        call(sandbox_facts)
+        sys.exit(0)  # as a program ends: multiprocessing's at-exit handler runs
+    _, status = os.waitpid(pid, 0)
+    time.sleep(0.5)
+    stderr.seek(0)
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(owner.pid)], capture_output=True, text=True).stdout
+    return {"zygote": owner.pid, "zygote_state": state.strip(), "child_status": status,
+            "child_stderr": stderr.read().decode(), "before": before, "after": call(sandbox_facts)}
+
+
 def what_starts(expected):
     """What ``enable()`` starts when the host says the run has DataLoader workers
     (``workers``), has none (``none``, as ``swift infer``), or says nothing (``unknown``)."""
@@ -258,7 +283,7 @@ def slow_arguments(_method):
 
 if __name__ == "__main__":
     case, method = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "ours")
-    cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies,
+    cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies, "child_exits": child_exits,
              "lerobot_cycle": lerobot_cycle, "trainer_killed": trainer_killed, "what_starts": what_starts,
              "slow_arguments": slow_arguments}
     print(json.dumps(cases[case](method)))
