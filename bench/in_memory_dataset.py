@@ -58,17 +58,14 @@ def child(args) -> None:
 
 def run_side(side: str, args) -> dict:
     sys.path.insert(0, str(HERE))
-    from pipeline import run_measured  # the process tree's peak PSS, sampled as bench/pipeline.py does
+    from pipeline import run_child_measured  # the process tree's peak PSS, sampled as bench/pipeline.py does
 
     env = {key: value for key, value in os.environ.items() if not key.startswith("SWIFT_SAFE_MEDIA")}
     code_root = args.before if side == "before" else str(ROOT)
     env["PYTHONPATH"] = code_root + os.pathsep + env.get("PYTHONPATH", "")
     command = [sys.executable, __file__, "--child", "--side", side, "--mib", str(args.mib)]
-    code, text, _, memory = run_measured(command, env, code_root, 900)
-    results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
-    if code != 0 or not results:
-        raise RuntimeError(f"{side} failed (exit {code}):\n{text[-3000:]}")
-    return {**results[-1], "peak_pss_mb": memory.peak_kb / 1024}
+    result, memory = run_child_measured(command, env, code_root, 900, side)
+    return {**result, "peak_pss_mb": memory.peak_kb / 1024}
 
 
 def main() -> None:

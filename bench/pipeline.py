@@ -224,11 +224,8 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
         command[0] = args.lerobot_python
     elif side == "protected":
         command += ["--safe_media", "true"]  # ms-swift's flag, as on its command line
-    returncode, text, _, memory = run_measured(command, env, ROOT, timeout)
-    results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
-    if returncode != 0 or not results:
-        raise RuntimeError(f"{pipeline} {side} failed (exit {returncode}):\n{text[-4000:]}")
-    return {**results[-1], "peak_pss_mb": memory.peak_kb / 1024, "processes": memory.processes,
+    result, memory = run_child_measured(command, env, ROOT, timeout, f"{pipeline} {side}")
+    return {**result, "peak_pss_mb": memory.peak_kb / 1024, "processes": memory.processes,
             "memory_at_peak": memory.at_peak}
 
 
@@ -252,6 +249,17 @@ def run_measured(command: list[str], env: dict, cwd, timeout: float | None = Non
                 process.wait()
         output.seek(0)
         return process.returncode, output.read(), wall, memory
+
+
+def run_child_measured(command: list[str], env: dict, cwd, timeout: float | None, what: str):
+    """Run a bench's child side (:func:`run_measured`): (the figures it printed last, as a
+    ``{"first_batch_s": ...}`` line of JSON, and the ``TreeMemory``); raises with its output
+    if it failed or printed none."""
+    returncode, text, _, memory = run_measured(command, env, cwd, timeout)
+    results = [json.loads(line) for line in text.splitlines() if line.startswith('{"first_batch_s"')]
+    if returncode != 0 or not results:
+        raise RuntimeError(f"{what} failed (exit {returncode}):\n{text[-4000:]}")
+    return results[-1], memory
 
 
 def child_swift(args, inputs: dict) -> dict:
