@@ -8,13 +8,16 @@ Sides, each in a fresh interpreter, side by side in alternating rounds:
 - ``protected``: ``swift_safe_media.enable()`` (workers from the warm forkserver, the
   openers' calls marked, the trainer watching the marks);
 - ``unbounded``: the same with ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``: what is left of the
-  cost without the bound (the warm forkserver's start and memory, issue 45's).
+  cost without the bound (the warm forkserver's start and memory, issue 45's);
+- ``sliding`` (with ``--sliding``): protected, with ``SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB=0``:
+  the workers keep glibc's sliding mmap threshold, as forked ones do, so the frames they
+  free stay in their heap instead of being mapped (and faulted in) afresh each sample.
 
 Printed: first batch (s), steady samples/s after it, peak PSS of the process tree (the
 interpreter and every descendant, sampled every 0.2 s), medians with every round, and
 each side's ratio to stock. Inputs: 480p H.264 clips of 4 s made here with ffmpeg.
 
-    .venv/bin/python bench/own_code.py [--clips 24] [--rounds 3] [--library decord|av]
+    .venv/bin/python bench/own_code.py [--clips 24] [--rounds 3] [--library decord|av] [--sliding]
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SIDES = {"stock": {}, "protected": {}, "unbounded": {"SWIFT_SAFE_MEDIA_BOUND_OPENERS": "0"}}
+SIDES = {"stock": {}, "protected": {}, "unbounded": {"SWIFT_SAFE_MEDIA_BOUND_OPENERS": "0"},
+         "sliding": {"SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB": "0"}}
 KEYS = ("first_batch_s", "steady_samples_per_s", "peak_pss_mb")
 FRAMES = 8
 
@@ -113,6 +117,8 @@ def main() -> None:
     parser.add_argument("--clips", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--library", choices=("decord", "av"), default="decord")
+    parser.add_argument("--sliding", action="store_true",
+                        help="a side more: protected, workers under glibc's sliding mmap threshold")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--side", default="stock")
     parser.add_argument("--inputs", default="[]")
@@ -122,9 +128,10 @@ def main() -> None:
     folder = Path(tempfile.gettempdir()) / "swift-safe-media-bench-own-code"
     folder.mkdir(exist_ok=True)
     clips = make_clips(folder, args.clips)
-    runs = {side: [] for side in SIDES}
+    sides = [side for side in SIDES if args.sliding or side != "sliding"]
+    runs = {side: [] for side in sides}
     for round_number in range(args.rounds):
-        order = list(SIDES) if round_number % 2 == 0 else list(reversed(SIDES))
+        order = sides if round_number % 2 == 0 else sides[::-1]
         for side in order:
             runs[side].append(run_side(side, args, clips))
     load = " ".join(open("/proc/loadavg").read().split()[:3])
@@ -134,7 +141,7 @@ def main() -> None:
                for side, side_runs in runs.items()}
     for key in KEYS:
         cells = []
-        for side in SIDES:
+        for side in sides:
             spread = ", ".join(f"{run[key]:.2f}" for run in runs[side])
             ratio = "" if side == "stock" else f" = {medians[side][key] / medians['stock'][key]:.2f}x"
             cells.append(f"{side} {medians[side][key]:.2f} [{spread}]{ratio}")

@@ -41,6 +41,9 @@ class ProcessState:
     # from the parsed arguments; None: unknown): the warm forkserver is started only for them
     dataloader_workers_expected: bool | None = None
     shared_zygote: object = None  # shared_zygote.SharedZygote this process started for its workers (warm_start)
+    # warm_start.start is running: an import it makes (torchvision's, as the template is forked) may
+    # start a host's enable() inside it, whose own start must leave the work to this one
+    warm_start_underway: bool = False
     # The environment the warm forkserver this process started was given (None: none is
     # ours): what it forks starts with that, not with this process's environment of the
     # moment (CPython's rule), so workers are brought up to date (warm_start)

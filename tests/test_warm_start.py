@@ -15,12 +15,12 @@ import pytest
 from swift_safe_media import config
 from swift_safe_media.engine import shared_zygote, zygote
 
-from .fresh import clean_environment, run_python
+from .fresh import ROOT, clean_environment, run_python
 
 
-def _run(case: str, method: str = "ours", env: dict | None = None):
+def _run(case: str, method: str = "ours", env: dict | None = None, python: str | None = None):
     done = run_python(module="tests.programs.warm_workers", args=[case, method],
-                      env=clean_environment(env, warm_start=True), timeout=240)
+                      env=clean_environment(env, warm_start=True), timeout=240, python=python)
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
@@ -101,6 +101,22 @@ def test_workers_of_a_loader_drawn_by_lerobots_cycle_get_every_check_of_a_warm_s
     assert all(item["threads_at_start"] == 1 for item in items)
     assert all(item["worker"]["late"] == "set after enable" for item in items)
     assert all(item["sandbox"]["late"] == "set after enable" for item in items)
+
+
+@pytest.mark.timeout(300)
+def test_enable_before_lerobot_is_imported_starts_the_warm_start_once():
+    """``enable(hosts=["lerobot"])`` at the top of a script, in LeRobot's own environment (the
+    start-up hook installed): an import the warm start makes before its fork asked where
+    LeRobot is, the hook took that for LeRobot's import and ran its ``enable()`` inside the
+    first one, and the two starts made two shared zygotes. The workers then used the second,
+    started by exec: 2 s more to the first batch, 190 MB more."""
+    python = os.path.join(ROOT, ".venv-lerobot", "bin", "python")
+    if not os.path.exists(python):
+        pytest.skip(".venv-lerobot is missing: `make test` builds it")
+    found, stderr = _run("lerobot_cycle", python=python)
+    assert found["start_method"] == "forkserver", stderr[-2000:]
+    assert found["zygote_started_by"] == "fork_zygote" and found["zygotes_of_the_trainer"] == []
+    assert {item["sandbox"]["ppid"] for item in found["items"]} == {found["zygote"]}
 
 
 @pytest.mark.timeout(300)

@@ -51,32 +51,35 @@ def in_forkserver() -> bool:
 
 
 def start(hosts) -> None:
-    """Start the warm forkserver (when DataLoader workers will use it) and this rank's
-    shared zygote, once per process; a later ``enable()`` keeps them."""
+    """The warm forkserver (when DataLoader workers will use it) and this rank's shared zygote,
+    started once per process; a later ``enable()`` keeps them."""
     state = process.current()
-    if state.shared_zygote is not None or not config.get(config.WARM_START):
+    if state.shared_zygote is not None or state.warm_start_underway or not config.get(config.WARM_START):
         return
-    wanted = _forkserver_wanted()
-    # First: the fork, if any, happens before anything of ours holds a descriptor.
-    if wanted:
-        forked_forkserver.fork_ahead(for_hosts=bool(set(worker_preload(hosts)) - set(config.preload_modules())))
-    else:
-        forked_forkserver.dismiss()
-    # Its socket is named in the environment before the forkserver copies the environment.
+    state.warm_start_underway = True  # an import below may run a host's enable(): its start is this one
     try:
-        shared = state.shared_zygote = SharedZygote(config.confine())
-    except OSError as exc:  # fail open: each process then starts its own zygote, as before
-        log.warning("swift_safe_media: no shared zygote (%s); each process starts its own", exc)
-        forked_forkserver.dismiss()
-        return
-    start_zygote = None
-    if wanted:
+        wanted = _forkserver_wanted()
+        # First: the fork, if any, happens before anything of ours holds a descriptor.
+        if wanted:
+            forked_forkserver.fork_ahead(for_hosts=bool(set(worker_preload(hosts)) - set(config.preload_modules())))
+        else:
+            forked_forkserver.dismiss()
+        # Its socket is named in the environment before the forkserver copies the environment.
         try:
-            if _start_forkserver(hosts):
+            shared = state.shared_zygote = SharedZygote(config.confine())
+        except OSError as exc:  # fail open: each process then starts its own zygote, as before
+            log.warning("swift_safe_media: no shared zygote (%s); each process starts its own", exc)
+            forked_forkserver.dismiss()
+            return
+        start_zygote = None
+        try:
+            if wanted and _start_forkserver(hosts):
                 start_zygote = fork_zygote
         except Exception as exc:  # the workers' start method still works, from a cold forkserver
             log.warning("swift_safe_media: could not start the warm forkserver: %s", exc)
-    shared.start(start_zygote)
+        shared.start(start_zygote)
+    finally:
+        state.warm_start_underway = False
 
 
 def fork_ahead(host: str) -> None:

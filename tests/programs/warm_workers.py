@@ -12,8 +12,9 @@ zygote per process that enables protection).
   be held) while the DataLoader starts its workers; each worker then takes that lock
   (5 s at most) and says whether it could;
 - ``lerobot_cycle``: LeRobot's ``cycle`` draws from a DataLoader that names no start
-  method, with a variable set after ``enable()``: the method the adapter chooses, the
-  workers' parent, and the variable as the workers see it;
+  method, with a variable set after ``enable()`` (called before LeRobot is imported): the
+  method the adapter chooses, the workers' parent, the variable as the workers see it, the
+  shared zygote and how it started, and the trainer's children that are zygotes;
 - ``trainer_killed``: the parent draws a few samples, so that its workers go idle, prints
   the pids of its forkserver, workers, zygote and their sandboxes, then SIGKILLs itself;
 - ``zygote_dies``: the shared zygote is killed between two calls of the parent;
@@ -154,8 +155,24 @@ def lerobot_cycle(_method):
     loader = DataLoader(WithStartThreads(), batch_size=None, num_workers=2, worker_init_fn=note_start)
     batches = cycle(loader)
     items = [next(batches) for _ in range(6)]
+    shared = process.current().shared_zygote
     return {"items": items, "start_method": loader.multiprocessing_context.get_start_method(),
-            "forkserver": forkserver._forkserver._forkserver_pid}
+            "forkserver": forkserver._forkserver._forkserver_pid, "zygote": shared.pid,
+            "zygote_started_by": shared.started_by.__name__, "zygotes_of_the_trainer": _zygotes_of(os.getpid())}
+
+
+def _zygotes_of(parent: int) -> list[int]:
+    """The children of ``parent`` that are zygotes."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if ppid == parent and process.name(entry) == process.ZYGOTE_NAME:
+            found.append(int(entry))
+    return found
 
 
 class Pids(Dataset):
