@@ -149,27 +149,32 @@ def test_the_inputs_of_a_real_loader(monkeypatch, no_user_start_method):
 
 
 class CollatorHoldingAModel:
-    """As LLaMA-Factory's collators do: the model, its tokenizer, and an array of its own."""
+    """As LLaMA-Factory's collators do: the model, and an array of its own."""
 
     def __init__(self):
         import numpy
-        import tokenizers
 
         self.model = torch.nn.Linear(1024, 1024)  # 4 MiB of parameters
         self.table = numpy.ones((4, 1024, 1024), dtype=numpy.float64)  # 32 MiB
-        vocab = {f"word{index}": index for index in range(50_000)}
-        self.tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="word0"))
 
     def __call__(self, batch):
         return batch
 
 
-def test_the_start_check_writes_stand_ins_for_tensors_arrays_and_tokenizers(monkeypatch, no_user_start_method):
+class Split:
+    """A tokenizer's pre-tokenizer written in Python: such a tokenizer cannot be pickled."""
+
+    def pre_tokenize(self, pretokenized):
+        pretokenized.split(lambda index, piece: [piece])
+
+
+def test_the_start_check_writes_stand_ins_for_tensors_and_arrays(monkeypatch, no_user_start_method):
     """Rows 4 and 6 pickle the dataset and collator: a copy of a 64 MiB tensor, a model's
-    weights, an array and a tokenizer's vocabulary there is memory and time the trainer
-    spends at each start of its workers. They are stand-ins; what the check learns is kept."""
+    weights or an array there is memory and time the trainer spends at each start of its
+    workers. They are stand-ins; what the check learns is kept."""
     import pickle
 
+    import tokenizers
     from torch.utils.data import TensorDataset
 
     from swift_safe_media.workers import spawn_guard
@@ -178,7 +183,7 @@ def test_the_start_check_writes_stand_ins_for_tensors_arrays_and_tokenizers(monk
     inputs = StartInputs(DataLoader(dataset, num_workers=2, collate_fn=collator))
     assert inputs.unpicklable is None and inputs.main_names == frozenset()
     as_stock_pickles = len(pickle.dumps((dataset, collator, None)))
-    assert as_stock_pickles > 100 * 2**20  # the tensor, the weights, the array, the vocabulary
+    assert as_stock_pickles > 100 * 2**20  # the tensor, the weights, the array
     assert len(inputs.pickled) < 64 * 1024, len(inputs.pickled)
 
     # A class of __main__ is still noted beside them, and still found in the bytes.
@@ -194,6 +199,13 @@ def test_the_start_check_writes_stand_ins_for_tensors_arrays_and_tokenizers(monk
     tagged.source = held()
     pickled, names = spawn_guard.pickle_noting_main(tagged)
     assert names == {"Held"} and len(pickled) < 4096
+
+    # A tokenizer is pickled as it is: one that cannot be is still found out.
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"word": 0}, unk_token="word"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.PreTokenizer.custom(Split())
+    collator.tokenizer = tokenizer
+    refused = StartInputs(DataLoader(dataset, num_workers=2, collate_fn=collator))
+    assert "cannot be serialized" in refused.unpicklable
 
 
 def test_apply_writes_once_and_warns_once(caplog, no_user_start_method):

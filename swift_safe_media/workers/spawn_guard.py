@@ -90,12 +90,12 @@ def main_unreachable(pickled, main_names=frozenset) -> str | None:
 # writes a stand-in for each (``_stands_in``) rather than a copy of its data. Plain pickle copies
 # a tensor's whole storage (twice, through ``torch.save``), where the workers' own pickler
 # shares it: a dataset of tensors, or LLaMA-Factory's collator holding the model, cost the
-# trainer that much memory and time at every start of its workers.
+# trainer that much memory and time at every start of its workers. (Not tokenizers: one with a
+# component written in Python cannot be pickled, which the check must see.)
 PLAIN_DATA_TYPES = frozenset({
     ("torch", "Tensor"), ("torch.nn.parameter", "Parameter"),
     ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
     ("numpy", "ndarray"),  # without Python objects inside (dtype.hasobject)
-    ("tokenizers", "Tokenizer"),  # a tokenizer's vocabulary, written out as JSON
 })
 
 
@@ -111,7 +111,7 @@ def _stands_in(obj) -> bool:
 
 
 def pickle_noting_main(value) -> tuple[bytes, frozenset[str]]:
-    """``pickle.dumps(value)`` with a stand-in for each array, tensor and tokenizer
+    """``pickle.dumps(value)`` with a stand-in for each array and tensor
     (:data:`PLAIN_DATA_TYPES`), and the qualified names of the classes and functions of
     ``__main__`` it refers to (pickled by name: a child must find them in its main module).
     The bytes are for reading (:func:`_names_main`), not for loading."""
