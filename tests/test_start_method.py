@@ -8,8 +8,8 @@ tests/test_lerobot*.py, tests/test_swift_*.py and tests/test_llamafactory*.py (r
 from __future__ import annotations
 
 import pathlib
-import sys
 import re
+import sys
 
 import pytest
 

@@ -42,6 +42,7 @@ from swift_safe_media import call, config, process
 from torch.utils.data import DataLoader, Dataset
 
 from tests import sandboxed
+from tests.proc_table import process_table
 
 # Sandboxes keep only allow-listed variables (confine_env): the late one is named to them.
 os.environ["SWIFT_SAFE_MEDIA_SANDBOX_ENV"] = "WARM_WORKERS_LATE"
@@ -156,23 +157,11 @@ def lerobot_cycle(_method):
     batches = cycle(loader)
     items = [next(batches) for _ in range(6)]
     shared = process.current().shared_zygote
+    zygotes = [pid for pid, row in process_table().items()
+               if row.parent == os.getpid() and row.name == process.ZYGOTE_NAME]
     return {"items": items, "start_method": loader.multiprocessing_context.get_start_method(),
             "forkserver": forkserver._forkserver._forkserver_pid, "zygote": shared.pid,
-            "zygote_started_by": shared.started_by.__name__, "zygotes_of_the_trainer": _zygotes_of(os.getpid())}
-
-
-def _zygotes_of(parent: int) -> list[int]:
-    """The children of ``parent`` that are zygotes."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-        if ppid == parent and process.name(entry) == process.ZYGOTE_NAME:
-            found.append(int(entry))
-    return found
+            "zygote_started_by": shared.started_by.__name__, "zygotes_of_the_trainer": zygotes}
 
 
 class Pids(Dataset):
@@ -210,7 +199,6 @@ def zygote_dies(_method):
 
 
 def child_exits(_method):
-    import subprocess
     import tempfile
 
     swift_safe_media.enable(hosts=[])
@@ -226,8 +214,8 @@ def child_exits(_method):
     _, status = os.waitpid(pid, 0)
     time.sleep(0.5)
     stderr.seek(0)
-    state = subprocess.run(["ps", "-o", "stat=", "-p", str(owner.pid)], capture_output=True, text=True).stdout
-    return {"zygote": owner.pid, "zygote_state": state.strip(), "child_status": status,
+    zygote = process_table().get(owner.pid)
+    return {"zygote": owner.pid, "zygote_state": zygote.state if zygote else "", "child_status": status,
             "child_stderr": stderr.read().decode(), "before": before, "after": call(sandbox_facts)}
 
 
