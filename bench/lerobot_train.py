@@ -16,7 +16,7 @@ workers, forkserver, zygote, sandboxes; sampled every 0.2 s, as ``bench/pipeline
 does). Prints medians, their ratios, and the spread over rounds, with the load average.
 
     python bench/lerobot_train.py [--lerobot 0.4|0.6] [--rounds 3] [--steps 20] [--policy tiny|act] [--workers 2]
-        [--unfrozen]
+        [--unfrozen] [--variant-env NAME=VALUE ...]
 """
 
 import argparse
@@ -115,6 +115,8 @@ def main():
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (LeRobot's default: 4)")
     parser.add_argument("--unfrozen", action="store_true", help="a side more: protected, the trainer's objects "
                         "not frozen at the forkserver's fork (SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS=0)")
+    parser.add_argument("--variant-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a side more, 'variant': protected, with these variables")
     args = parser.parse_args()
     LEROBOT_VENV = VENVS[args.lerobot]
     if not (LEROBOT_VENV / "bin" / "lerobot-train").exists():
@@ -122,6 +124,8 @@ def main():
     sides = dict(SIDES[args.lerobot])
     if args.unfrozen:
         sides["ours-unfrozen"] = ([], True, {"SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS": "0"})
+    if args.variant_env:
+        sides["variant"] = ([], True, dict(item.split("=", 1) for item in args.variant_env))
     names = list(sides)
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-lerobot-train-") as folder:

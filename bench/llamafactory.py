@@ -15,6 +15,7 @@ samples/s (the second half of the steps), and the peak PSS of the whole process 
 and ``Trainer.training_step`` and then runs LLaMA-Factory's own CLI.
 
     python bench/llamafactory.py [--rounds 3] [--rows 32] [--roots] [--exec] [--per-call] [--unfrozen]
+        [--variant-env NAME=VALUE ...]
 """
 
 import argparse
@@ -90,7 +91,8 @@ def build(folder: Path, rows: int) -> dict:
     return built
 
 
-def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float, float, float, float, str]:
+def train(built: dict, folder: Path, name: str, protected: bool,
+          variables: dict | None = None) -> tuple[float, float, float, float, str]:
     """(wall seconds, first batch's wait in seconds, steady samples/s, peak PSS in MB, where it was)."""
     from tests import llamafactory_scenario as scenario
 
@@ -111,6 +113,7 @@ def train(built: dict, folder: Path, name: str, protected: bool) -> tuple[float,
         env["SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS"] = "0"
     if name.endswith("per-call"):  # a sandbox per read, as before the open broker
         env["SWIFT_SAFE_MEDIA_OPEN_BROKER"] = "0"
+    env.update(variables or {})
     pipeline = _bench("pipeline")
     command = [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "--run", str(config)]
     returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
@@ -135,6 +138,8 @@ def main():
                         help="a side more: protected, a sandbox per read (SWIFT_SAFE_MEDIA_OPEN_BROKER=0)")
     parser.add_argument("--unfrozen", action="store_true", help="a side more: protected, the trainer's objects "
                         "not frozen at the forkserver's fork (SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS=0)")
+    parser.add_argument("--variant-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a side more, 'variant': protected, with these variables")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one side, inside LLaMA-Factory's interpreter
     args = parser.parse_args()
     if args.run:
@@ -142,7 +147,9 @@ def main():
     if not (VENV / "bin" / "llamafactory-cli").exists():
         sys.exit(f"{VENV} is missing: `make test` builds it")
     names = ["stock", "ours"] + (["ours-roots"] if args.roots else []) + (["ours-exec"] if args.exec else []) + \
-        (["ours-per-call"] if args.per_call else []) + (["ours-unfrozen"] if args.unfrozen else [])
+        (["ours-per-call"] if args.per_call else []) + (["ours-unfrozen"] if args.unfrozen else []) + \
+        (["variant"] if args.variant_env else [])
+    variant = dict(item.split("=", 1) for item in args.variant_env)
     report = _bench("lerobot_train")
     load = report.load
     print(f"load average before: {load()} ({os.cpu_count()} cores)", flush=True)
@@ -151,8 +158,9 @@ def main():
         built = build(folder, args.rows)
         results = {name: [] for name in names}
         for number in range(args.rounds):
-            for name in names[number % 2:] + names[:number % 2]:  # alternating which goes first
-                results[name].append(train(built, folder, f"{number}-{name}", name != "stock"))
+            for name in names[number % len(names):] + names[:number % len(names)]:  # rotated each round
+                results[name].append(train(built, folder, f"{number}-{name}", name != "stock",
+                                           variant if name == "variant" else {}))
                 report.print_round(number, name, results[name][-1], digits=2)
     print(f"llamafactory-cli train 0.9.5, tiny Qwen2.5-Omni LoRA, {args.rows} rows, batch {BATCH}, {WORKERS} workers, "
           f"{args.rounds} alternating rounds (medians [spread]); load average after: {load()}")

@@ -125,6 +125,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.clips < 4:  # the first batch takes 2; the steady rate needs a batch after it
+        parser.error("--clips must be at least 4")
     folder = Path(tempfile.gettempdir()) / "swift-safe-media-bench-own-code"
     folder.mkdir(exist_ok=True)
     clips = make_clips(folder, args.clips)

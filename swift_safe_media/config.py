@@ -60,15 +60,16 @@ def usable_cores() -> int:
     return cores
 
 
-def decoding_processes() -> int:
+def decoding_processes(workers: int | None = None) -> int:
     """Processes of this node that decode at once: the DataLoader workers of this rank (1,
-    the caller itself, outside a worker) times the sandboxes each keeps times the local
-    ranks (``LOCAL_WORLD_SIZE``, set by torchrun, ms-swift's launcher and accelerate)."""
-    workers = 1
-    data = sys.modules.get("torch.utils.data")
-    info = data.get_worker_info() if data is not None else None
-    if info is not None:
-        workers = max(1, info.num_workers)
+    the caller itself, outside a worker; ``workers``: as a worker of a loader with that many
+    counts) times the sandboxes each keeps times the local ranks (``LOCAL_WORLD_SIZE``, set
+    by torchrun, ms-swift's launcher and accelerate)."""
+    if workers is None:
+        data = sys.modules.get("torch.utils.data")
+        info = data.get_worker_info() if data is not None else None
+        workers = info.num_workers if info is not None else 1
+    workers = max(1, workers)
     try:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # not ours: the launcher's
     except ValueError:
@@ -76,12 +77,12 @@ def decoding_processes() -> int:
     return workers * max_sandboxes() * ranks
 
 
-def decode_thread_budget() -> int:
+def decode_thread_budget(workers: int | None = None) -> int:
     """The node's usable cores shared among the processes decoding on it, at least 1: one
     clip on an idle machine decodes as fast as stock, a full DataLoader does not
     oversubscribe. The caller resolves it (only it knows its DataLoader) and hands the
     number to its zygote and sandboxes in ``SWIFT_SAFE_MEDIA_THREADS``."""
-    return max(1, usable_cores() // decoding_processes())
+    return max(1, usable_cores() // decoding_processes(workers))
 
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -158,6 +159,9 @@ FREEZE_TRAINER_OBJECTS = _declare("SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS", SWI
                                   "objects alive at that fork are frozen (`gc.freeze()`), so that its "
                                   "collections leave the pages it shares with the forkserver's family "
                                   "unwritten; `0`: they are not")
+WORKER_FIRST_SANDBOX = _declare("SWIFT_SAFE_MEDIA_WORKER_FIRST_SANDBOX", SWITCH, True,
+                                "a DataLoader worker started from the warm forkserver asks for its first "
+                                "sandbox as it begins, while it reads its dataset; `0`: at its first decode")
 WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
                           "more modules the warm forkserver imports for DataLoader workers")
 # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so

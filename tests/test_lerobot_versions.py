@@ -112,6 +112,35 @@ def test_each_release_gets_its_layout_every_target_patched_and_restored(release,
     assert "leaving it untouched" not in stderr and "could not patch" not in stderr, stderr[-3000:]
 
 
+WORKER_CONTEXT = """
+import dataclasses, json
+import swift_safe_media
+swift_safe_media.enable(hosts=["lerobot"])
+from lerobot.configs.train import TrainPipelineConfig
+from lerobot.scripts import lerobot_train
+
+default = {field.name: field.default for field in dataclasses.fields(TrainPipelineConfig)}
+cfg = object.__new__(TrainPipelineConfig)  # only what _dataloader_worker_kwargs reads
+for name, value in {"num_workers": 2, "prefetch_factor": 2, "persistent_workers": False,
+                    "dataloader_multiprocessing_context": default["dataloader_multiprocessing_context"]}.items():
+    object.__setattr__(cfg, name, value)
+context = lerobot_train._dataloader_worker_kwargs(cfg)["multiprocessing_context"]
+print(json.dumps({"default": default["dataloader_multiprocessing_context"], "type": type(context).__name__,
+                  "method": context.get_start_method()}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_lerobot_061s_default_start_method_gives_way_to_our_launch():
+    """LeRobot 0.6.1's loaders name a start method (spawn, its default): ours takes its place
+    as the context object our workers launch by (arguments written by a thread, the first
+    sandbox asked for as a worker begins), not as the name "forkserver", which gave CPython's
+    launch (a worker's arguments read one worker after another) and no first sandbox."""
+    code, found, stderr = run("0.6.1", "-c", WORKER_CONTEXT)
+    assert code == 0, stderr[-3000:]
+    assert found == {"default": "spawn", "type": "WarmForkServerContext", "method": "forkserver"}, found
+
+
 UNKNOWN = """
 import json, logging, sys
 logging.basicConfig(level=logging.WARNING)

@@ -1,5 +1,5 @@
 """Sandboxes for code that opens its media by name (``BY_NAME``, ``PROGRAMS``): brokered ones,
-pooled, where the kernel can (``BY_NAME``: :func:`brokered_sandbox`, :func:`listening`), else
+pooled, where the kernel can (``BY_NAME``: :func:`ask_pooled`, :func:`listening`), else
 sandboxes that serve one call each: the next one forked ahead, and the last one kept for the
 next call on the same files.
 
@@ -22,6 +22,9 @@ a call against a pooled sandbox. Two things take it off the call's path:
   very same files runs there: its rules are the ones that call would get (no file more,
   none less); a call on other files ends it. A sandbox that runs ffmpeg
   is never kept (its writable folder goes with its call).
+
+A pooled sandbox may be asked for ahead too (:func:`take_asked`): a DataLoader worker's first,
+forked while the worker unpickles its arguments (:mod:`..workers.first_sandbox`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,32 @@ from .zygote import spawn_request
 log = logging.getLogger("swift_safe_media")
 
 
-def brokered_sandbox(zygote, deadline: float):
-    """A pooled sandbox for calls by name, its opens to be answered by this process."""
-    return zygote.spawn(config.max_memory_mb(), deadline, True, imports_before_fork(), os.getpid())
+def _pooled_request(pool) -> tuple:
+    """(memory cap, confined, imports, broker) of a pooled sandbox of ``pool`` asked for now;
+    brokered: for calls by name, its opens answered by this process."""
+    if pool.brokered:
+        return config.max_memory_mb(), True, imports_before_fork(), os.getpid()
+    return config.max_memory_mb(), pool.confined, None, None
+
+
+def ask_pooled(pool, zygote):
+    """A pooled sandbox of ``pool``, asked for (:meth:`.Zygote.spawn_ahead`)."""
+    return zygote.spawn_ahead(*_pooled_request(pool))
+
+
+def take_asked(pool, zygote, deadline: float):
+    """The pooled sandbox asked for ahead (:meth:`.SandboxPool.ask_ahead`) if one asked for now
+    would be the same (zygote, cap, environment, imports); else None, and it is ended."""
+    asked, pool._spare = pool._spare, None
+    if asked is None or asked.zygote is not zygote:  # one of a zygote dropped since died with it
+        return None
+    box = asked.sandbox(deadline)
+    memory_cap_mb, _, imports, broker = _pooled_request(pool)
+    if memory_cap_mb == asked.memory_cap_mb and asked.request == spawn_request(imports, broker):
+        return box
+    box.kill()
+    zygote.retire(box.pid)
+    return None
 
 
 # A brokered sandbox runs code we do not own call after call: code that leaves a file open

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import pickle
 import select
 import threading
 import time
@@ -42,7 +41,7 @@ class SandboxPool:
         self.confined = bool(confined)
         self._lock = threading.Condition()
         self._link = link or ZygoteLink(self.confined)  # the zygote, shared with this process's other pools
-        self._spare = None  # per call: the next call's sandbox, asked for ahead (zygote.SpawnAhead)
+        self._spare = None  # the next sandbox, asked for ahead (zygote.SpawnAhead): per call, or a worker's first
         self._kept = None  # per call: the last one, kept for a call on the same files (per_call.keep)
         self._idle: list[SandboxHandle] = []
         self._busy = 0
@@ -119,6 +118,13 @@ class SandboxPool:
             self._busy -= 1
             self._lock.notify()
 
+    def ask_ahead(self) -> None:
+        """Have the zygote fork this pool's next sandbox now; the next start takes it if it
+        still fits (``workers.first_sandbox``: while a DataLoader worker unpickles)."""
+        with self._link.lock:
+            if self._spare is None and not self.per_call:
+                self._spare = per_call.ask_pooled(self, self._link.current())
+
     def _spawn(self, deadline: float | None = None) -> SandboxHandle:
         deadline = deadline or time.monotonic() + config.start_timeout()
         link = self._link
@@ -128,10 +134,9 @@ class SandboxPool:
                 try:
                     if self.per_call:
                         box = per_call.spare_sandbox(self, zygote, deadline)
-                    elif self.brokered:
-                        box = per_call.brokered_sandbox(zygote, deadline)
                     else:
-                        box = zygote.spawn(config.max_memory_mb(), deadline, self.confined, () if self.deferred else None)
+                        box = per_call.take_asked(self, zygote, deadline) or \
+                            per_call.ask_pooled(self, zygote).sandbox(deadline)
                     break
                 except (OSError, EOFError) as exc:
                     shared = zygote.process is None
@@ -206,7 +211,7 @@ class SandboxPool:
         return self._run(fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress)
 
     def _run(self, fn, args, kwargs, timeout, path, on_progress, on_start, restart_on_progress, grants=None):
-        message, fd, owned = _encode_request(fn, args, kwargs)
+        message, fd, owned = transport.encode_request(fn, args, kwargs)
         try:
             box = per_call.take_kept(self, grants) or self._ready_sandbox(path)
         except BaseException:
@@ -253,7 +258,7 @@ class SandboxPool:
         setups = () if self.deferred else sandbox_setups()  # confined as its call begins: the zygote imported for it
         while box.setups_done < len(setups):
             try:
-                message, fd, owned = _encode_request(setups[box.setups_done], (), {})
+                message, fd, owned = transport.encode_request(setups[box.setups_done], (), {})
             except BaseException:
                 self._done_with(box)  # nothing was sent: the sandbox goes back as it was, its slot freed
                 raise
@@ -333,14 +338,6 @@ class SandboxPool:
         if self._spare is not None and self._spare.box is not None:
             self._spare.box.conn.close()
         self._spare = None
-
-
-def _encode_request(fn, args, kwargs):
-    try:
-        return transport.encode(transport.REQUEST, (fn, args, kwargs))
-    except (AttributeError, TypeError, ImportError, pickle.PicklingError) as exc:
-        raise TypeError(f"swift_safe_media.call needs a module-level function and picklable "
-                        f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
 
 
 def _receive(box: SandboxHandle, clock: fair_clock.FairClock):

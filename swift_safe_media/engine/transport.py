@@ -190,6 +190,15 @@ class _WithHanded(bytes):
         _close_all(self.handed)
 
 
+def encode_request(fn, args, kwargs):
+    """:func:`encode` of a call's request, or a TypeError that says what cannot be sent."""
+    try:
+        return encode(REQUEST, (fn, args, kwargs))
+    except (AttributeError, TypeError, ImportError, pickle.PicklingError) as exc:
+        raise TypeError(f"swift_safe_media.call needs a module-level function and picklable "
+                        f"arguments; cannot send {getattr(fn, '__qualname__', fn)!r}: {exc}") from exc
+
+
 def _close_all(fds) -> None:
     while fds:
         try:

@@ -69,7 +69,8 @@ def environment_for_sandbox() -> dict:
     takes instead of the zygote's: the caller may have changed it since the zygote started
     (a shared zygote starts at ``enable()``), and the thread budget is resolved here, where
     the DataLoader's worker count is known."""
-    environment = {name: value for name, value in confine_env.allowed().items() if name != config.ZYGOTE}
+    environment = {name: value for name, value in confine_env.allowed().items()
+                   if name not in (config.ZYGOTE, config.CONFINE_WARNED)}  # the caller's bookkeeping
     environment[config.THREADS] = str(config.decoder_threads())
     # Pools are sized by that budget after the fork (sandbox._limit_threads); a library a
     # sandbox imports later starts with one thread, as in the zygote.

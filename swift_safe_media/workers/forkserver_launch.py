@@ -11,7 +11,9 @@ LLaMA-Factory's 4 MB collator took 0.2 s a worker, 0.4 s of the first batch with
 :class:`WarmForkServerContext` is CPython's forkserver context with one change: the launch
 hands the pipe to a thread that writes it, and returns as soon as the forkserver has said the
 worker's pid. The workers unpickle side by side while the trainer starts the next one and
-sends the indices. What a worker reads, and when it may begin, is unchanged. A worker that dies
+sends the indices. The preparation data the worker reads first also carries its first
+sandbox's request (:mod:`.first_sandbox`). What a worker reads, and when it may begin, is
+otherwise unchanged. A worker that dies
 before reading all of it is what it was before to torch (a worker that exited unexpectedly);
 the writer just stops.
 
@@ -30,6 +32,8 @@ import sys
 import threading
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 
+from . import first_sandbox
+
 log = logging.getLogger("swift_safe_media")
 
 
@@ -45,6 +49,9 @@ def _write_all(fd: int, data: io.BytesIO) -> None:
 class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj):
         prep_data = spawn.get_preparation_data(process_obj._name)
+        first = first_sandbox.for_launch(process_obj)
+        if first is not None:  # unpickled before the arguments: the worker asks for it as it begins
+            prep_data["swift_safe_media_first_sandbox"] = first
         data = io.BytesIO()
         context.set_spawning_popen(self)
         try:

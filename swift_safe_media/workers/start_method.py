@@ -167,15 +167,21 @@ def _choose(inputs) -> Decision:
     return Decision(inputs.configured, 5)
 
 
+def context_for(method: str):
+    """What a DataLoader's ``multiprocessing_context`` is set to for ``method``: for the warm
+    forkserver, ``WarmForkServerContext`` (its workers unpickle side by side, each asking for
+    its first sandbox as it begins: :mod:`.forkserver_launch`); else the method's name."""
+    if method == FORKSERVER:
+        from .forkserver_launch import warm_context
+
+        return warm_context()
+    return method
+
+
 def apply(loader, decision: Decision) -> None:
     """Write the decision to ``loader`` (once) and log its warning (once per name)."""
     if decision.writes:
-        if decision.method == FORKSERVER:  # its workers unpickle side by side (.forkserver_launch)
-            from .forkserver_launch import warm_context
-
-            loader.multiprocessing_context = warm_context()
-        else:
-            loader.multiprocessing_context = decision.method
+        loader.multiprocessing_context = context_for(decision.method)
     if decision.warning is not None:
         name, message = decision.warning
         if name not in _warned:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from ... import config, process
 from ...records import summary
+from ...workers import start_method
 from .. import flags
 from . import layouts
 
@@ -93,7 +94,7 @@ def worker_kwargs_with_start_method(cfg) -> dict:
         return kwargs
     method = _ours()
     if method is not None:
-        kwargs["multiprocessing_context"] = method
+        kwargs["multiprocessing_context"] = start_method.context_for(method)
     return kwargs
 
 
