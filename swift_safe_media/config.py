@@ -166,7 +166,8 @@ WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
                           "more modules the warm forkserver imports for DataLoader workers")
 # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so
 # the frames and tensors a worker frees each sample stay in its heap: measured 150-250 MB
-# more per LeRobot worker than with a fixed threshold.
+# more per LeRobot worker than with a fixed threshold (2026-11-23), and, since LeRobot's
+# frames are recycled (held_memory), 100 MB more per LLaMA-Factory worker (docs/figures.md).
 WORKER_MMAP_THRESHOLD_KB = _declare("SWIFT_SAFE_MEDIA_WORKER_MMAP_THRESHOLD_KB", INT, 1024,
                                     "processes forked from the warm forkserver (workers, zygote, sandboxes) "
                                     "map blocks of at least this many KiB and return them when freed "

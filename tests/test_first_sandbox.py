@@ -46,8 +46,12 @@ def test_a_workers_first_sandbox_is_forked_while_it_unpickles():
 
 
 @pytest.mark.timeout(300)
-def test_switched_off_the_first_decode_asks_for_the_sandbox():
-    for item in _first_of_each_worker(_run("plain", {"SWIFT_SAFE_MEDIA_WORKER_FIRST_SANDBOX": "0"})):
+@pytest.mark.parametrize("case, env", [("plain", {"SWIFT_SAFE_MEDIA_WORKER_FIRST_SANDBOX": "0"}),
+                                       ("nothing_decoded_here", None)])
+def test_the_first_decode_asks_switched_off_or_with_no_host_and_no_decode_in_the_trainer(case, env):
+    """No host enabled and nothing decoded in the trainer: a script's own loader, whose
+    workers may never call a sandbox, gets none ahead."""
+    for item in _first_of_each_worker(_run(case, env)):
         assert item["sandbox_started_at"] > item["unpickled_at"] - 0.02, item
         assert item["sandbox"]["late"] == "set after enable()", item
 

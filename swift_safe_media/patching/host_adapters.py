@@ -263,3 +263,8 @@ def hosts_worker_start_method(loader) -> str | None:
 
 def enabled_hosts() -> set[str]:
     return set(_enabled_hosts)
+
+
+def patched_hosts() -> set[str]:
+    """The enabled hosts whose code is patched now: imported in this process, not only awaited."""
+    return {host for host in _enabled_hosts if adapter_for(host).is_patched()}

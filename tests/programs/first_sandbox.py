@@ -9,7 +9,9 @@ its thread budget; and the worker's own thread budget. ``CASE``:
 
 - ``plain``: nothing changes after the worker starts;
 - ``init_changes``: the ``worker_init_fn`` sets an allowed variable, so the sandbox asked
-  for before it no longer fits the first call.
+  for before it no longer fits the first call;
+- ``nothing_decoded_here``: no host is enabled and the trainer makes no call before the
+  loader (in the other cases it makes one).
 
 The variables are named to the sandboxes in ``SWIFT_SAFE_MEDIA_SANDBOX_ENV``.
 """
@@ -75,6 +77,8 @@ def main(case: str) -> None:
     swift_safe_media.enable(hosts=[])
     zygote = process.current().shared_zygote
     zygote.ready.wait(120)
+    if case != "nothing_decoded_here":
+        call(os.getpid)  # the trainer decodes too: its workers ask for the kind it used
     os.environ["FIRST_SANDBOX_LATE"] = "set after enable()"
     loader = DataLoader(SlowToUnpickle(), batch_size=1, num_workers=2, collate_fn=first,
                         worker_init_fn=set_init_variable if case == "init_changes" else None)
