@@ -45,10 +45,11 @@ log = logging.getLogger("swift_safe_media")
 
 def _pooled_request(pool) -> tuple:
     """(memory cap, confined, imports, broker) of a pooled sandbox of ``pool`` asked for now;
-    brokered: for calls by name, its opens answered by this process."""
+    brokered: for calls by name, its opens answered by this process; a download's (deferred):
+    confined as each call begins."""
     if pool.brokered:
         return config.max_memory_mb(), True, imports_before_fork(), os.getpid()
-    return config.max_memory_mb(), pool.confined, None, None
+    return config.max_memory_mb(), pool.confined, () if pool.deferred else None, None
 
 
 def ask_pooled(pool, zygote):

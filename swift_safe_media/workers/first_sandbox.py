@@ -19,10 +19,11 @@ budget of a worker of this loader. The first decode takes the sandbox only if on
 then would be the same (zygote, memory cap, environment, imports); else it is ended.
 
 Which sandboxes: one of each pooled kind the trainer has used itself (LLaMA-Factory's
-preprocessing reads by name), else, where a host is patched (imported with protection on), a confined one (what the
-twins decode in); none where no host is and the trainer has not decoded (a script's own
-``Dataset``: its workers may never call a sandbox). A worker that never decodes keeps one
-idle sandbox (a fork of the zygote) for its life;
+preprocessing reads by name; a download's is left to the first download), else, where a
+host is patched (imported with protection on), a confined one (what the twins decode in);
+none where no host is and the trainer has not decoded (a script's own ``Dataset``: its
+workers may never call a sandbox). A worker that never decodes keeps one idle sandbox (a
+fork of the zygote) for its life;
 ``SWIFT_SAFE_MEDIA_WORKER_FIRST_SANDBOX=0`` leaves the first sandbox to the first decode.
 Nothing here may fail a worker: on any error the first decode starts its own.
 """
@@ -60,7 +61,7 @@ def for_launch(process_obj) -> FirstSandbox | None:
         from .forkserver import environment_changes
 
         threads = config.get(config.THREADS) if config.is_set(config.THREADS) else config.decode_thread_budget(workers)
-        used = tuple(kind for kind, pool in process.current().engines.items() if not pool.per_call)
+        used = tuple(kind for kind, pool in process.current().engines.items() if not (pool.per_call or pool.network))
         if not used and not host_adapters.patched_hosts():
             return None  # your own code, nothing decoded here: its workers may never decode
         return FirstSandbox(used or (True,), threads, *environment_changes())
