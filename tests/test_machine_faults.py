@@ -379,15 +379,19 @@ def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(r
     assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []
 
 
-def test_the_warm_forkserver_killed_mid_epoch_costs_no_sample():
+@pytest.mark.parametrize("launch", ["ours", "named"])
+def test_the_warm_forkserver_killed_mid_epoch_costs_no_sample(launch):
     """Its workers go on (they watch the trainer, not the forkserver), and the trainer still
     sees them alive when an item outlasts torch's 5 s worker status check (before: "exited
-    unexpectedly", as in lerobot-train); the next DataLoader's workers come from a new forkserver."""
-    done = subprocess.run([sys.executable, "-m", "tests.programs.forkserver_killed", "slow"], cwd=ROOT,
+    unexpectedly", as in lerobot-train); the next DataLoader's workers come from a new forkserver.
+    Under our launch (a loader that names no start method) and CPython's (one that names
+    ``forkserver``): the workers of our launch read as dead until 2026-11-29."""
+    done = subprocess.run([sys.executable, "-m", "tests.programs.forkserver_killed", "slow", launch], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env=clean_environment({"PYTHONPATH": ROOT}, warm_start=True))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["first"] == result["second"] == [2 * index for index in range(12)], result
     assert result["killed"] and result["new_forkserver"] != result["killed"]
+    assert result["launch"] == ("WarmForkServerContext" if launch == "ours" else "ForkServerContext"), result
 

@@ -64,8 +64,11 @@ class OutlivesItsForkserver:
 def outlives_its_forkserver(worker) -> None:
     """Give ``worker`` (a multiprocessing Process) an :class:`OutlivesItsForkserver` where a
     forkserver started it."""
+    from multiprocessing import popen_forkserver
+
     popen = getattr(worker, "_popen", None)
-    if type(popen).__module__ == "multiprocessing.popen_forkserver" and hasattr(os, "pidfd_open"):
+    # CPython's launch or ours (workers.forkserver_launch, a subclass): both read the status from the forkserver
+    if isinstance(popen, popen_forkserver.Popen) and hasattr(os, "pidfd_open"):
         try:
             worker._popen = OutlivesItsForkserver(popen)
         except OSError:  # gone already: torch finds out

@@ -1,7 +1,9 @@
 """The warm forkserver SIGKILLed from outside mid-epoch (issue 35):
-``python -m tests.programs.forkserver_killed`` prints one JSON object: what a DataLoader
-whose workers were forked from it gave for the epoch, and what a second DataLoader, whose
-workers come from a new forkserver, gave; each item a decode in a sandbox."""
+``python -m tests.programs.forkserver_killed [slow] [ours]`` prints one JSON object: what a
+DataLoader whose workers were forked from it gave for the epoch, and what a second DataLoader,
+whose workers come from a new forkserver, gave; each item a decode in a sandbox. The loaders
+name ``forkserver`` (CPython's launch), or with ``ours`` no start method (our launch,
+``workers.forkserver_launch``, as LeRobot's and LLaMA-Factory's loaders get)."""
 
 import json
 import os
@@ -33,12 +35,13 @@ class Slow(torch.utils.data.Dataset):
         return call(double, index, path=f"/data/item{index}.mp4")
 
 
-def main(slow_item: bool) -> None:
+def main(slow_item: bool, ours: bool) -> None:
     swift_safe_media.enable()
     from multiprocessing import forkserver
 
     loaders = [torch.utils.data.DataLoader(Slow(slow_item and epoch == 0), batch_size=None, num_workers=2,
-                                           multiprocessing_context="forkserver") for epoch in range(2)]
+                                           multiprocessing_context=None if ours else "forkserver")
+               for epoch in range(2)]
     first, killed = [], None
     for index, item in enumerate(loaders[0]):
         first.append(item)
@@ -47,8 +50,9 @@ def main(slow_item: bool) -> None:
             os.kill(killed, signal.SIGKILL)
     second = list(loaders[1])
     print(json.dumps({"first": first, "second": second, "killed": killed,
-                      "new_forkserver": forkserver._forkserver._forkserver_pid}), flush=True)
+                      "new_forkserver": forkserver._forkserver._forkserver_pid,
+                      "launch": type(loaders[0].multiprocessing_context).__name__}), flush=True)
 
 
 if __name__ == "__main__":
-    main("slow" in sys.argv[1:])
+    main("slow" in sys.argv[1:], "ours" in sys.argv[1:])
