@@ -59,13 +59,20 @@ def ask_pooled(pool, zygote):
 
 def take_asked(pool, zygote, deadline: float):
     """The pooled sandbox asked for ahead (:meth:`.SandboxPool.ask_ahead`) if one asked for now
-    would be the same (zygote, cap, environment, imports); else None, and it is ended."""
-    asked, pool._spare = pool._spare, None
-    if asked is None or asked.zygote is not zygote:  # one of a zygote dropped since died with it
-        return None
-    box = asked.sandbox(deadline)
+    would be the same; else None."""
     memory_cap_mb, _, imports, broker = _pooled_request(pool)
-    if memory_cap_mb == asked.memory_cap_mb and asked.request == spawn_request(imports, broker):
+    return _take_spare(pool, zygote, deadline, memory_cap_mb, imports, broker)
+
+
+def _take_spare(pool, zygote, deadline: float, memory_cap_mb: int, imports, broker=None):
+    """``pool``'s sandbox asked for ahead, if a request made now would be the same (zygote, cap,
+    environment, imports: :meth:`.SpawnAhead.matches`); else None, and one that no longer fits
+    is ended (one of a zygote dropped since died with it)."""
+    spare, pool._spare = pool._spare, None
+    if spare is None or spare.zygote is not zygote:
+        return None
+    box = spare.sandbox(deadline)
+    if spare.matches(zygote, memory_cap_mb, imports, broker):
         return box
     box.kill()
     zygote.retire(box.pid)
@@ -153,14 +160,7 @@ def spare_sandbox(pool, zygote, deadline: float):
     when it fits this call, and the next one asked for now (the fork, some 20 ms of a
     zygote full of imports, is off the call's path)."""
     memory_cap_mb, imports = config.max_memory_mb(), imports_before_fork()
-    spare, pool._spare = pool._spare, None
-    box = None
-    if spare is not None and spare.zygote is zygote:
-        box = spare.sandbox(deadline)
-        if not spare.matches(zygote, memory_cap_mb, imports):  # the environment changed since
-            box.kill()
-            zygote.retire(box.pid)
-            box = None
+    box = _take_spare(pool, zygote, deadline, memory_cap_mb, imports)  # the one forked while the last call ran
     if box is None:
         box = zygote.spawn(memory_cap_mb, deadline, pool.confined, imports)
     pool._spare = zygote.spawn_ahead(memory_cap_mb, pool.confined, imports)

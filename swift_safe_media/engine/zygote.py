@@ -231,11 +231,11 @@ class SpawnAhead:
         self.box.request = self.request  # what it was started with (a kept sandbox is checked against it)
         return self.box
 
-    def matches(self, zygote: Zygote, memory_cap_mb: int, for_files) -> bool:
+    def matches(self, zygote: Zygote, memory_cap_mb: int, for_files, broker_for: int | None = None) -> bool:
         """Whether a call now would ask for this very sandbox (same zygote, cap, environment
         and imports): else it is ended and another one asked for."""
         return zygote is self.zygote and memory_cap_mb == self.memory_cap_mb \
-            and spawn_request(for_files) == self.request
+            and spawn_request(for_files, broker_for) == self.request
 
 
 def spawn_request(for_files, broker_for: int | None = None) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+from multiprocessing import popen_forkserver
 
 
 class OutlivesItsForkserver:
@@ -64,8 +65,6 @@ class OutlivesItsForkserver:
 def outlives_its_forkserver(worker) -> None:
     """Give ``worker`` (a multiprocessing Process) an :class:`OutlivesItsForkserver` where a
     forkserver started it."""
-    from multiprocessing import popen_forkserver
-
     popen = getattr(worker, "_popen", None)
     # CPython's launch or ours (workers.forkserver_launch, a subclass): both read the status from the forkserver
     if isinstance(popen, popen_forkserver.Popen) and hasattr(os, "pidfd_open"):
