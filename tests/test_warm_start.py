@@ -89,6 +89,24 @@ def test_workers_read_their_arguments_side_by_side_while_the_loader_goes_on():
 
 
 @pytest.mark.timeout(300)
+def test_a_workers_start_waits_for_no_fork_and_its_pid_is_read_when_asked_for():
+    """The launch returns without waiting for the forkserver to fork the worker (here it
+    cannot: it is stopped), and the pid, read off the sentinel later, is the child's own;
+    ``join`` with a timeout, exit codes and ``terminate`` read as CPython's; a worker whose
+    forkserver died before forking it reads as exited with 255, and asking for its pid raises
+    EOFError, as CPython's ``start()`` would have."""
+    found, stderr = _run("pid_on_demand")
+    assert found["start_seconds"] < 10, found
+    assert found["unread_after_start"] == [True, True, True], found
+    assert found["alive_while_stopped"] == [True, True, True], found
+    assert found["reported"] == {str(pid): found["forkserver"] for pid in found["pids"]}, found
+    assert found["join_seconds"] >= 0.25 and found["alive_after_join"], found
+    assert found["exitcodes"] == [3, -15], found
+    assert str(found["orphan_pid"]).startswith("EOFError"), found
+    assert found["orphan_exitcode"] == 255, found
+
+
+@pytest.mark.timeout(300)
 def test_workers_of_a_loader_drawn_by_lerobots_cycle_get_every_check_of_a_warm_start():
     """LeRobot's adapter chooses the start method before the worker-start checks run, so
     its workers are forked from the warm forkserver and adopt what changed after enable()

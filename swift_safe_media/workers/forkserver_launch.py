@@ -8,18 +8,21 @@ its workers one after another and sends its first indices only after the last on
 so with fork's inherited memory gone, every worker's unpickling came before the first batch:
 LLaMA-Factory's 4 MB collator took 0.2 s a worker, 0.4 s of the first batch with 2 workers.
 
-:class:`WarmForkServerContext` is CPython's forkserver context with one change: the launch
-hands the pipe to a thread that writes it, and returns as soon as the forkserver has said the
-worker's pid. The workers unpickle side by side while the trainer starts the next one and
-sends the indices. The preparation data the worker reads first also carries its first
+:class:`WarmForkServerContext` is CPython's forkserver context with two changes: the launch
+hands the pipe to a thread that writes it, and it returns without waiting for the forkserver
+to say the worker's pid (a fork of the forkserver: 15-20 ms), which is read off the worker's
+sentinel when first asked for. The workers are forked and unpickle side by side while the
+trainer pickles the next one's arguments and sends the indices; torch asks for every pid once
+all have started. The preparation data the worker reads first also carries its first
 sandbox's request (:mod:`.first_sandbox`). What a worker reads, and when it may begin, is
-otherwise unchanged. A worker that dies
-before reading all of it is what it was before to torch (a worker that exited unexpectedly);
-the writer just stops.
+otherwise unchanged. A worker that dies before reading all of it is what it was before to
+torch (a worker that exited unexpectedly); the writer just stops. A forkserver that dies
+before forking a worker raises ``EOFError`` where the pid is asked for (CPython's: in
+``start()``), and ``poll`` reads that worker as exited with code 255, as CPython's does.
 
-``_launch`` repeats CPython's own but for that write: the same in 3.11 to 3.13 (run here) and
-on CPython's main branch (read 2026-11-29). On a later Python, not read yet, the loader gets
-CPython's own context.
+``_launch`` repeats CPython's own but for those two changes: the same in 3.11 to 3.13 (run
+here) and on CPython's main branch (read 2026-11-29), as are the ``poll`` and ``wait`` the
+pid's reading wraps. On a later Python, not read yet, the loader gets CPython's own context.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from __future__ import annotations
 import io
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import threading
+import time
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 
 from . import first_sandbox
@@ -65,7 +70,37 @@ class _Popen(popen_forkserver.Popen):
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
         threading.Thread(target=_write_all, args=(w, data), name="swift-safe-media-worker-launch",
                          daemon=True).start()
-        self.pid = forkserver.read_signed(self.sentinel)
+        # The pid is read when first asked for: the forkserver forks this worker while the
+        # trainer pickles the next one's arguments (torch asks for every pid once all started).
+
+    _pid = None
+
+    @property
+    def pid(self):
+        if self._pid is None:  # blocks until the forkserver has forked it; EOFError if the forkserver died first
+            self._pid = forkserver.read_signed(self.sentinel)
+        return self._pid
+
+    def poll(self, flag=os.WNOHANG):
+        # The sentinel carries the pid, then the exit code: the pid is read off it first.
+        if self.returncode is None and self._pid is None:
+            if flag == os.WNOHANG and not multiprocessing.connection.wait([self.sentinel], 0):
+                return None  # not even forked yet
+            try:
+                self.pid
+            except (OSError, EOFError):  # the forkserver died before forking it, as CPython's poll reads it
+                self.returncode = 255
+        return super().poll(flag)
+
+    def wait(self, timeout=None):
+        if self.returncode is None and self._pid is None:
+            began = time.monotonic()
+            if timeout is not None and not multiprocessing.connection.wait([self.sentinel], timeout):
+                return None
+            self.poll()
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - began))
+        return super().wait(timeout)
 
 
 class _Process(context.ForkServerProcess):

@@ -157,11 +157,11 @@ class Replacing:
             worker.daemon = True
             try:
                 worker.start()
+                liveness.outlives_its_forkserver(worker)  # reads the pid (forkserver_launch): EOFError here too
                 break
             except (EOFError, ConnectionError):  # the forkserver was killed as it started this one
                 if attempt == 2:
                     raise
-        liveness.outlives_its_forkserver(worker)
         self.left -= hung is None
         self.replaced += 1
         resend = SentIndices(queue, iterator)

@@ -24,7 +24,13 @@ zygote per process that enables protection).
 - ``what_starts``: what ``enable()`` starts, given what the host knows of the run;
 - ``slow_arguments``: a dataset whose unpickling waits for a file the parent creates only
   once ``iter(loader)`` has returned, then reads 2 MB more (past a pipe's buffer): how long
-  ``iter`` took, the items, and the workers' parent.
+  ``iter`` took, the items, and the workers' parent;
+- ``pid_on_demand``: processes of the warm launch context, started while the forkserver is
+  stopped (SIGSTOP), so that it cannot fork them yet: whether ``start()`` returned and the pid
+  was still unread; then, the forkserver resumed, each child's own pid and parent against
+  ``Process.pid``, a ``join`` with a timeout on a sleeping child, exit codes and a
+  terminate; last, a child started while the forkserver is stopped and then killed: its
+  ``exitcode`` and what asking for its pid raises.
 """
 
 from __future__ import annotations
@@ -286,9 +292,64 @@ def slow_arguments(_method):
             "context": type(loader.multiprocessing_context).__name__}
 
 
+def _report_and_sleep(connection, seconds, code):
+    connection.send((os.getpid(), os.getppid()))
+    time.sleep(seconds)
+    sys.exit(code)
+
+
+def pid_on_demand(_method):
+    from multiprocessing import forkserver
+
+    from swift_safe_media.workers import forkserver_launch
+
+    swift_safe_media.enable(hosts=[])
+    process.current().shared_zygote.ready.wait(120)
+    context = forkserver_launch.warm_context()
+    server = forkserver._forkserver._forkserver_pid
+    read, write = context.Pipe(duplex=False)
+    os.kill(server, signal.SIGSTOP)  # it accepts the connections but forks nobody
+    try:
+        children = [context.Process(target=_report_and_sleep, args=(write, seconds, code), daemon=True)
+                    for seconds, code in ((0.0, 3), (30.0, 0), (30.0, 0))]
+        started = time.monotonic()
+        for child in children:
+            child.start()
+        start_seconds = time.monotonic() - started
+        unread = [child._popen._pid is None for child in children]
+        alive_while_stopped = [child.is_alive() for child in children]
+    finally:
+        os.kill(server, signal.SIGCONT)
+    reports = dict(read.recv() for _ in children)
+    children[0].join(30)
+    began = time.monotonic()
+    children[1].join(0.3)
+    join_seconds = time.monotonic() - began
+    still_alive = children[1].is_alive() and children[1].exitcode is None
+    children[2].terminate()
+    children[2].join(30)
+    facts = {"start_seconds": start_seconds, "unread_after_start": unread, "alive_while_stopped": alive_while_stopped,
+             "pids": [child.pid for child in children], "reported": reports,
+             "forkserver": server, "join_seconds": join_seconds, "alive_after_join": still_alive,
+             "exitcodes": [children[0].exitcode, children[2].exitcode]}
+    children[1].kill()
+    children[1].join(30)
+    os.kill(server, signal.SIGSTOP)
+    orphan = context.Process(target=_report_and_sleep, args=(write, 0.0, 0), daemon=True)
+    orphan.start()
+    os.kill(server, signal.SIGKILL)
+    orphan.join(30)
+    try:
+        facts["orphan_pid"] = orphan.pid
+    except EOFError as exc:
+        facts["orphan_pid"] = f"EOFError: {exc}"
+    facts["orphan_exitcode"] = orphan.exitcode
+    return facts
+
+
 if __name__ == "__main__":
     case, method = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "ours")
     cases = {"shared": shared, "held_lock": held_lock, "zygote_dies": zygote_dies, "child_exits": child_exits,
              "lerobot_cycle": lerobot_cycle, "trainer_killed": trainer_killed, "what_starts": what_starts,
-             "slow_arguments": slow_arguments}
+             "slow_arguments": slow_arguments, "pid_on_demand": pid_on_demand}
     print(json.dumps(cases[case](method)))
