@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from .. import config
-from . import decode_deadline, plain as plain_workers, forkserver as warm_start, start_method
+from . import decode_deadline, plain as plain_workers, forkserver as warm_start, reduced_once, start_method
 from ..patching import torch_dataloader
 
 log = logging.getLogger("swift_safe_media")
@@ -41,7 +41,13 @@ def uninstall() -> None:
 
 
 def get_iterator_deciding_start(stock_get_iterator, self):
-    """``DataLoader._get_iterator``: decide how the workers start, prepare them, start them."""
+    """``DataLoader._get_iterator``: decide how the workers start, prepare them, start them
+    (a tokenizer the check and the workers' arguments pickle is reduced once: :mod:`.reduced_once`)."""
+    with reduced_once.reduced_once():
+        return _deciding_start(stock_get_iterator, self)
+
+
+def _deciding_start(stock_get_iterator, self):
     method = None
     try:
         if config.enabled_by_environment() and self.num_workers > 0:
