@@ -162,6 +162,10 @@ FREEZE_TRAINER_OBJECTS = _declare("SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS", SWI
 WORKER_FIRST_SANDBOX = _declare("SWIFT_SAFE_MEDIA_WORKER_FIRST_SANDBOX", SWITCH, True,
                                 "a DataLoader worker started from the warm forkserver asks for its first "
                                 "sandbox as it begins, while it reads its dataset; `0`: at its first decode")
+WORKER_ARGUMENTS_AHEAD = _declare("SWIFT_SAFE_MEDIA_WORKER_ARGUMENTS_AHEAD", SWITCH, True,
+                                  "a DataLoader's dataset and collate_fn are unpickled as it is made, once, by a "
+                                  "process its workers from the warm forkserver fork from; `0`: each worker "
+                                  "unpickles them as it starts")
 WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
                           "more modules the warm forkserver imports for DataLoader workers")
 # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so

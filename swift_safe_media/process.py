@@ -59,6 +59,10 @@ class ProcessState:
     temporary_folders: dict = field(default_factory=dict)
     # workers.decode_deadline: this DataLoader worker's Slot (or InTrainer), made at first use
     deadline_slot: object = None
+    # workers.held_arguments: the holding servers of this process's loaders, and the one the
+    # loader starting its workers now uses (None: none)
+    holding_servers: list = field(default_factory=list)
+    held_for_start: object = None
     scratch_folder: str | None = None  # run_folders.scratch_for_call's parent, made on first use
 
 

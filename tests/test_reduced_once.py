@@ -65,7 +65,9 @@ def test_distinct_tokenizers_are_reduced_each_for_itself(tokenizer):
 
 @pytest.mark.timeout(300)
 def test_workers_from_the_warm_forkserver_encode_as_the_trainer_does():
-    done = run_python(module="tests.programs.tokenizer_workers", env=clean_environment(warm_start=True),
+    # Workers that are sent the tokenizer: no holding server unpickles it ahead for them (workers.held_arguments).
+    env = clean_environment({"SWIFT_SAFE_MEDIA_WORKER_ARGUMENTS_AHEAD": "0"}, warm_start=True)
+    done = run_python(module="tests.programs.tokenizer_workers", env=env,
                       timeout=240)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["context"] == "WarmForkServerContext", found

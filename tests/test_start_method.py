@@ -272,7 +272,7 @@ def test_disable_gives_torchs_dataloader_back_as_it_was(torch_first):
     done = run_python(code=DISABLE_RESTORES.format(torch_first=torch_first), env=env, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
-    patched = ["DataLoader._get_iterator", "_BaseDataLoaderIter.__next__"]
+    patched = ["DataLoader.__init__", "DataLoader._get_iterator", "_BaseDataLoaderIter.__next__"]
     assert found["enabled"] == found["enabled again"] == patched
     assert found["disabled"] == found["disabled again"] == []
     assert found["as before"] in ((True,) if torch_first else (None,))

@@ -5,7 +5,8 @@ restored exactly by ``disable()``.
 The rows come in groups, each patched while what it serves is on: ``worker start`` (how
 the workers start, :mod:`..workers.start`, whenever protection is on), ``worker restart``
 (a worker killed from outside is replaced, :mod:`..workers.respawn`, whenever protection
-is on), ``decode deadline`` (a worker's task clears its decode marks as it ends,
+is on), ``held arguments`` (a loader's dataset and ``collate_fn`` unpickled ahead as the
+loader is made, :mod:`..workers.hold_ahead`, whenever protection is on), ``decode deadline`` (a worker's task clears its decode marks as it ends,
 :mod:`..workers.decode_deadline`, unless ``SWIFT_SAFE_MEDIA_BOUND_OPENERS=0``), ``typed errors``
 (a worker's ``MediaDecodeError`` reaches the trainer as itself, :mod:`..workers.typed_errors`,
 whenever protection is on) and ``stall watch`` (each batch tells the stall watchdog, :mod:`..records.watchdog`,
@@ -25,10 +26,14 @@ _RESPAWN = "swift_safe_media.workers.respawn"
 _ITERATOR = "_MultiProcessingDataLoaderIter"
 _DEADLINE = "swift_safe_media.workers.decode_deadline"
 _ERRORS = "swift_safe_media.workers.typed_errors"
+_HELD = "swift_safe_media.workers.hold_ahead"
 
 TARGETS = {
     "worker start": (
         Target(MODULE, "DataLoader._get_iterator", "swift_safe_media.workers.start:get_iterator_deciding_start"),
+    ),
+    "held arguments": (
+        Target(MODULE, "DataLoader.__init__", f"{_HELD}:loader_init_holding_ahead"),
     ),
     "worker restart": (
         Target(MODULE, f"{_ITERATOR}._reset", f"{_RESPAWN}:reset_remembering_indices"),

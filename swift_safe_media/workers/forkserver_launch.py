@@ -37,7 +37,8 @@ import threading
 import time
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 
-from . import first_sandbox
+from .. import config
+from . import first_sandbox, held_arguments
 
 log = logging.getLogger("swift_safe_media")
 
@@ -58,26 +59,62 @@ class _Popen(popen_forkserver.Popen):
         if first is not None:  # unpickled before the arguments: the worker asks for it as it begins
             prep_data["swift_safe_media_first_sandbox"] = first
         data = io.BytesIO()
-        context.set_spawning_popen(self)
+        # A dataset and collate_fn a holding server unpickled ahead go as references to its objects.
+        with held_arguments.in_place_of_held(process_obj) as server:
+            context.set_spawning_popen(self)
+            try:
+                reduction.dump(prep_data, data)
+                reduction.dump(process_obj, data)
+            finally:
+                context.set_spawning_popen(None)
+        self._held_by = server if server is not None and self._send(data, server.connect) else None
+        if self._held_by is None:
+            self._send(data, forkserver.connect_to_new_process)
+        else:  # sent again to the warm forkserver if the server does not fork it (references carry the bytes)
+            self._data = data
+        # The pid is read when first asked for: the forkserver forks this worker while the
+        # trainer pickles the next one's arguments (torch asks for every pid once all started).
+
+    def _send(self, data: io.BytesIO, connect_to_new_process) -> bool:
         try:
-            reduction.dump(prep_data, data)
-            reduction.dump(process_obj, data)
-        finally:
-            context.set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+            self.sentinel, w = connect_to_new_process(self._fds)
+        except ConnectionError:  # a holding server gone: the caller asks the warm forkserver
+            return False
         # As CPython: a duplicate of the data pipe's write end is the child's sign that its parent lives.
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
         threading.Thread(target=_write_all, args=(w, data), name="swift-safe-media-worker-launch",
                          daemon=True).start()
-        # The pid is read when first asked for: the forkserver forks this worker while the
-        # trainer pickles the next one's arguments (torch asks for every pid once all started).
+        return True
+
+    def _pid_from_server(self) -> int:
+        """The pid of a worker sent to a holding server; where the server ends without forking it
+        (it could not unpickle, it was killed), or forks nothing within the start-up timeout, the
+        worker is sent to the warm forkserver instead, with the same bytes."""
+        server, self._held_by = self._held_by, None
+        data, self._data = self._data, None
+        if not multiprocessing.connection.wait([self.sentinel], config.start_timeout()):
+            server.stop()  # it forks nothing more: the pid is there now, or never
+        if multiprocessing.connection.wait([self.sentinel], 0):
+            try:
+                return forkserver.read_signed(self.sentinel)
+            except EOFError:
+                pass
+        server.end(server.why_not or "it ended before it forked a worker")
+        log.warning("swift_safe_media: a DataLoader worker's holding server did not start it (%s); "
+                    "the warm forkserver does", server.why_not)
+        self.finalizer()
+        self._send(data, forkserver.connect_to_new_process)
+        return forkserver.read_signed(self.sentinel)
 
     _pid = None
+    _held_by = None
 
     @property
     def pid(self):
-        if self._pid is None:  # blocks until the forkserver has forked it; EOFError if the forkserver died first
+        if self._pid is None and self._held_by is not None:
+            self._pid = self._pid_from_server()
+        elif self._pid is None:  # blocks until the forkserver has forked it; EOFError if the forkserver died first
             self._pid = forkserver.read_signed(self.sentinel)
         return self._pid
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from .. import config
-from . import decode_deadline, plain as plain_workers, forkserver as warm_start, reduced_once, start_method
+from . import decode_deadline, hold_ahead, plain as plain_workers, forkserver as warm_start, reduced_once, start_method
 from ..patching import torch_dataloader
 
 log = logging.getLogger("swift_safe_media")
@@ -27,6 +27,7 @@ def install() -> None:
     """Decide how the workers of every DataLoader of this process start (from now, or
     once torch's DataLoader is imported), through the table of torch's targets."""
     torch_dataloader.patch("worker start")
+    torch_dataloader.patch("held arguments")
     plain_workers.patch_workers_tasks()  # here too: a forked worker keeps its parent's patches
 
 
@@ -35,6 +36,7 @@ def uninstall() -> None:
     from ..patching import media_openers
 
     torch_dataloader.unpatch("worker start")
+    torch_dataloader.unpatch("held arguments")
     torch_dataloader.unpatch("decode deadline")
     torch_dataloader.unpatch("typed errors")
     media_openers.disable()
@@ -57,7 +59,8 @@ def _deciding_start(stock_get_iterator, self):
             decode_deadline.prepare_folder()  # before the workers start: they find it in the environment
     except Exception:  # a check must never stop the DataLoader itself
         log.debug("swift_safe_media: worker start checks skipped", exc_info=True)
-    with (warm_start.workers_see_current_environment(self, method),
+    with (hold_ahead.used_by_launches(self, method),  # before the environment's wrapper of worker_init_fn
+          warm_start.workers_see_current_environment(self, method),
           plain_workers.workers_bound_libraries(self, method)):
         try:
             return stock_get_iterator(self)

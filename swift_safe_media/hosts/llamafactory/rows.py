@@ -127,8 +127,12 @@ _DRAWS = 64  # rows of the dataset tried for one stand-in before the batch's own
 
 
 def remember_rows(loader) -> None:
-    """Give the collator of ``loader`` its dataset, to draw stand-ins from (called as
-    training begins, before the workers start: they inherit it)."""
+    """Give the collator of ``loader`` its dataset, to draw stand-ins from (called as training
+    begins). A loader with workers is left as it was made: each worker draws from its own
+    dataset, the loader's (:func:`_rows`), and the collator the workers are sent stays the
+    one a holding server may have unpickled ahead (:mod:`...workers.held_arguments`)."""
+    if getattr(loader, "num_workers", 0):
+        return
     collator = getattr(loader, "collate_fn", None)
     collator = getattr(collator, "data_collator", collator)  # transformers' RemoveColumnsCollator
     dataset = getattr(loader, "dataset", None)
@@ -164,8 +168,19 @@ def _substituted(collator, features: list, failed: dict[str, str]) -> list:
     return replaced
 
 
-def _drawn(collator, feature, index, failed):
+def _rows(collator):
+    """The training dataset: the collator's, else (in a DataLoader worker) the worker's."""
     rows = getattr(collator, ROWS_ATTRIBUTE, None)
+    if rows is None:
+        from torch.utils.data import get_worker_info
+
+        worker = get_worker_info()
+        rows = worker.dataset if worker is not None else None
+    return rows
+
+
+def _drawn(collator, feature, index, failed):
+    rows = _rows(collator)
     if rows is None or not len(rows):
         return None
     media = set().union(*(_files(feature.get(key)) for key in FEATURE_MEDIA))

@@ -1,0 +1,127 @@
+"""DataLoaders whose dataset and ``collate_fn`` share a real fast tokenizer (``tests.tiny_models``),
+2 workers started from the warm forkserver under ``enable()``, each case with a holding server
+(``workers.held_arguments``) in a different state.
+
+``python -m tests.programs.held_workers CASE`` prints one JSON object: what each worker saw
+(its pid, its parent, whether its dataset and ``collate_fn`` hold one tokenizer object, the token
+ids it encoded, the value it read of a setting the trainer changed), the expected ids, the
+forkserver's pid and the holding servers' (with their threads and whether they still run).
+
+Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader was made),
+``server_killed`` (the server SIGKILLed once it has unpickled), ``unplain_init`` (a
+``worker_init_fn`` that is an object), ``slow`` (the server takes 1.5 s to unpickle them),
+``server_dies`` (the server exits as it unpickles them, the workers' requests in its queue).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import swift_safe_media
+from swift_safe_media import process
+from torch.utils.data import DataLoader, Dataset
+
+from tests import tiny_models
+
+TEXTS = ["a clip of 2 s", "héllo wörld", "<tool_call>", "0123456789 " * 3]
+
+
+class Marker:
+    """Unpickled slowly in a holding server (1.5 s), which then exits in the case ``server_dies``."""
+
+    def __init__(self, case: str):
+        self.case = case
+
+    def __reduce__(self):
+        return rebuilt_marker, (self.case,)
+
+
+def rebuilt_marker(case: str) -> Marker:
+    import multiprocessing
+
+    from swift_safe_media.workers import held_arguments
+
+    if case in ("slow", "server_dies") and multiprocessing.current_process().name == held_arguments.SERVER_NAME:
+        time.sleep(1.5)
+        if case == "server_dies":
+            os._exit(3)
+    return Marker(case)
+
+
+class Encoding(Dataset):
+    def __init__(self, tokenizer, case: str):
+        self.tokenizer = tokenizer
+        self.suffix = ""
+        self.marker = Marker(case)
+
+    def __len__(self):
+        return len(TEXTS)
+
+    def __getitem__(self, index):
+        return {"index": index, "ids": self.tokenizer.encode(TEXTS[index] + self.suffix).ids}
+
+
+class Collate:
+    """A collate_fn holding the dataset's own tokenizer (as a host's collator does)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.tokenizer = dataset.tokenizer
+
+    def __call__(self, item):
+        from torch.utils.data import get_worker_info
+
+        return {**item, "pid": os.getpid(), "ppid": os.getppid(), "shared": self.tokenizer is get_worker_info().dataset.tokenizer,
+                "same_dataset": self.dataset is get_worker_info().dataset, "setting": os.environ.get("HELD_TEST_SETTING")}
+
+
+class InitObject:
+    def __call__(self, worker_id):
+        pass
+
+
+def servers() -> list[dict]:
+    found = []
+    for server in process.current().holding_servers:
+        pid = server.process.pid
+        try:
+            threads = len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            threads = 0
+        found.append({"pid": pid, "threads": threads, "alive": server.process.is_alive(), "why_not": server.why_not})
+    return found
+
+
+def main(case: str) -> dict:
+    from multiprocessing import forkserver
+
+    swift_safe_media.enable(hosts=[])
+    process.current().shared_zygote.ready.wait(120)
+    dataset = Encoding(tiny_models._byte_level_tokenizer(), case)
+    init = InitObject() if case == "unplain_init" else None
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=Collate(dataset), worker_init_fn=init)
+    made = servers()
+    os.environ["HELD_TEST_SETTING"] = "set after the loader was made"  # workers see the trainer's environment
+    if case == "changed":
+        dataset.suffix = " changed"
+    if case == "server_killed":
+        server = process.current().holding_servers[0]
+        assert server._ready.poll(60) and server.may_serve()
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.join(10)
+    began = time.monotonic()
+    iterator = iter(loader)
+    started = time.monotonic() - began  # the workers' start: queued in a server still unpickling, not waited for
+    epochs = [list(iterator)] + [list(loader) for _ in range(1 if case == "held" else 0)]
+    time.sleep(0.2)  # an ended server's exit
+    suffix = " changed" if case == "changed" else ""
+    return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
+            "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

@@ -1,0 +1,127 @@
+"""A loader's dataset and ``collate_fn`` unpickled ahead by a holding server its workers fork from
+(``workers.held_arguments``): real workers from the real warm forkserver, a real fast tokenizer.
+
+What must hold: the workers get what unpickling the bytes gives (the ids the trainer encodes;
+the dataset and ``collate_fn`` still share one tokenizer; the trainer's environment as it is at
+the start), they fork from the server only while the objects pickle as they did when the
+loader was made, and anything else (objects changed, a server killed, a ``worker_init_fn``
+that could share objects, the switch off) starts them as before, from the warm forkserver.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import socket
+import types
+
+import pytest
+
+from swift_safe_media.workers import held_arguments, hold_ahead
+
+from .fresh import clean_environment, run_python
+
+
+def run_case(case: str, **extra) -> dict:
+    done = run_python(module="tests.programs.held_workers", args=[case],
+                      env=clean_environment(extra, warm_start=True), timeout=240)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def items(found: dict) -> list[dict]:
+    return [item for epoch in found["epochs"] for item in epoch]
+
+
+def assert_as_the_trainer_encodes(found: dict) -> None:
+    for epoch in found["epochs"]:
+        assert [item["ids"] for item in epoch] == found["expected"]
+    for item in items(found):
+        assert item["shared"] and item["same_dataset"], item  # one tokenizer, one dataset, as unpickled
+        assert item["setting"] == "set after the loader was made", item
+
+
+@pytest.mark.timeout(300)
+def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_every_epoch():
+    found = run_case("held")
+    assert_as_the_trainer_encodes(found)
+    [server] = found["servers"]
+    assert server["why_not"] is None and server["alive"] and server["threads"] == 1, server
+    assert {item["ppid"] for item in items(found)} == {server["pid"]}
+    # Two epochs, two workers each: four workers, all forked from the one server.
+    assert len({item["pid"] for item in items(found)}) == 4
+
+
+@pytest.mark.timeout(300)
+def test_a_dataset_changed_after_its_loader_was_made_is_unpickled_by_the_workers_as_it_is_now():
+    found = run_case("changed")
+    assert_as_the_trainer_encodes(found)  # the ids of the changed texts
+    assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    [made] = found["servers_made"]
+    assert found["servers"] == []  # ended, and forgotten
+    with pytest.raises(FileNotFoundError):
+        open(f"/proc/{made['pid']}/status").close()
+
+
+@pytest.mark.timeout(300)
+def test_workers_whose_server_was_killed_start_from_the_warm_forkserver():
+    found = run_case("server_killed")
+    assert_as_the_trainer_encodes(found)
+    assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    [server] = found["servers"]
+    assert not server["alive"] and "gone" in server["why_not"], server
+
+
+@pytest.mark.timeout(300)
+def test_workers_started_while_their_server_unpickles_are_queued_and_forked_by_it_once_it_has():
+    found = run_case("slow")  # the server takes 1.5 s to unpickle: torch's start waits for the pids
+    assert_as_the_trainer_encodes(found)
+    [server] = found["servers"]
+    assert {item["ppid"] for item in items(found)} == {server["pid"]}
+
+
+@pytest.mark.timeout(300)
+def test_workers_queued_in_a_server_that_dies_unpickling_start_from_the_warm_forkserver():
+    done = run_python(module="tests.programs.held_workers", args=["server_dies"],
+                      env=clean_environment(warm_start=True), timeout=240)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert_as_the_trainer_encodes(found)
+    assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    assert done.stderr.count("holding server did not start it") == 2, done.stderr[-3000:]
+    assert found["servers"] == []  # ended and forgotten: a later start does not queue there
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, extra", [("unplain_init", {}),
+                                         ("held", {"SWIFT_SAFE_MEDIA_WORKER_ARGUMENTS_AHEAD": "0"})])
+def test_no_server_where_the_objects_could_be_shared_with_the_init_or_it_is_switched_off(case, extra):
+    found = run_case(case, **extra)
+    assert_as_the_trainer_encodes(found)
+    assert found["servers_made"] == [] and found["servers"] == []
+    assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+
+
+def test_the_fingerprint_is_the_launch_bytes_and_none_where_descriptors_are_handed_over():
+    unit = ({"a": [1, 2]}, "collate")
+    assert held_arguments.fingerprint(unit) == held_arguments.fingerprint(({"a": [1, 2]}, "collate"))
+    assert pickle.loads(held_arguments.fingerprint(unit)) == unit
+    left, right = socket.socketpair()
+    with left, right:  # a socket pickles as a descriptor handed to the child
+        assert held_arguments.fingerprint(({"socket": left}, None)) is None
+
+
+def test_a_reference_launched_elsewhere_unpickles_its_bytes_once_for_both_parts():
+    shared = ["one object"]
+    data = pickle.dumps(({"rows": shared}, {"rows": shared}))
+    dataset = held_arguments.held_part("not-held-here", 0, data)
+    collate_fn = held_arguments.held_part("not-held-here", 1, data)
+    assert dataset["rows"] is collate_fn["rows"] and dataset["rows"] == shared
+    held_arguments._HELD.pop("not-held-here")
+
+
+def test_only_an_init_that_shares_nothing_is_plain():
+    import functools
+
+    assert hold_ahead._plain(None) and hold_ahead._plain(len) and hold_ahead._plain(run_case)
+    assert hold_ahead._plain(functools.partial(run_case, "held", extra=1))
+    assert not hold_ahead._plain(functools.partial(run_case, ["a list"]))
+    assert not hold_ahead._plain(object()) and not hold_ahead._plain(types.MethodType(run_case, object()))
