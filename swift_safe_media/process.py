@@ -98,6 +98,9 @@ ZYGOTE_NAME, SANDBOX_NAME = "ssm-zygote", "ssm-sandbox"
 # A warm forkserver forked from the trainer has the trainer's command line: it goes by this
 # name, and what it forks by the trainer's again; its template, while it waits, by the other.
 FORKSERVER_NAME, TEMPLATE_NAME = "ssm-forkserver", "ssm-template"
+# A holding server (workers.held_arguments), forked from the warm forkserver: what it forks goes
+# by the name it had before.
+HOLDING_NAME = "ssm-holding"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 

@@ -379,19 +379,27 @@ def test_a_dataloader_worker_killed_mid_decode_leaves_no_sandbox_and_no_record(r
     assert registry_paths(run_folder / "q" / "quarantine.jsonl") == []
 
 
-@pytest.mark.parametrize("launch", ["ours", "named"])
-def test_the_warm_forkserver_killed_mid_epoch_costs_no_sample(launch):
+@pytest.mark.parametrize("launch, held", [("ours", "0"), ("named", "0"), ("ours", "1")])
+def test_the_warm_forkserver_killed_mid_epoch_costs_no_sample(launch, held):
     """Its workers go on (they watch the trainer, not the forkserver), and the trainer still
     sees them alive when an item outlasts torch's 5 s worker status check (before: "exited
     unexpectedly", as in lerobot-train); the next DataLoader's workers come from a new forkserver.
     Under our launch (a loader that names no start method) and CPython's (one that names
-    ``forkserver``): the workers of our launch read as dead until 2026-11-29."""
+    ``forkserver``): the workers of our launch read as dead until 2026-11-29. With the loaders'
+    datasets held ahead (``held``: workers.held_arguments; both loaders are made before the
+    kill) the first loader's workers are forked by a holding server and the second loader's by
+    the other server, which outlives the forkserver: no sample is lost either way."""
     done = subprocess.run([sys.executable, "-m", "tests.programs.forkserver_killed", "slow", launch], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
-                          env=clean_environment({"PYTHONPATH": ROOT}, warm_start=True))
+                          env=clean_environment({"PYTHONPATH": ROOT, "SWIFT_SAFE_MEDIA_WORKER_ARGUMENTS_AHEAD": held},
+                                                warm_start=True))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["first"] == result["second"] == [2 * index for index in range(12)], result
-    assert result["killed"] and result["new_forkserver"] != result["killed"]
+    assert result["killed"]
+    if held == "0":
+        assert result["new_forkserver"] != result["killed"]
+    else:
+        assert len(result["holding_servers"]) == 2, result
     assert result["launch"] == ("WarmForkServerContext" if launch == "ours" else "ForkServerContext"), result
 

@@ -25,7 +25,7 @@ import zlib
 
 import pytest
 
-from swift_safe_media.process import FORKSERVER_NAME
+from swift_safe_media.process import FORKSERVER_NAME, HOLDING_NAME
 
 from .fresh import ROOT, clean_environment
 
@@ -119,7 +119,8 @@ def test_under_enable_the_same_workers_start_from_the_warm_forkserver_and_read_s
         # Forked from CPython's forkserver, preloaded by ours: not from the trainer and its threads
         # (a forkserver forked from the trainer, while it had one thread, is named so).
         assert parent != trainer, workers
-        assert command.startswith(FORKSERVER_NAME) or (
+        # Or from the server holding the loader's dataset, itself forked from that forkserver.
+        assert command.startswith((FORKSERVER_NAME, HOLDING_NAME)) or (
             "multiprocessing.forkserver" in command and "swift_safe_media.workers._forkserver_preload" in command), \
             command
     assert len({parent for _, parent, _ in workers}) == 1, workers

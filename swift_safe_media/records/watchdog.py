@@ -139,7 +139,9 @@ def _describe(pid: int) -> str:
     name = process.name(pid)  # zygotes and sandboxes forked from the warm forkserver share its command line
     if name in (process.ZYGOTE_NAME, process.SANDBOX_NAME, process.FORKSERVER_NAME):
         return {process.ZYGOTE_NAME: "zygote", process.SANDBOX_NAME: "sandbox"}.get(name, "forkserver")
-    if process.name(_parent_of(pid)) == process.FORKSERVER_NAME:
+    if name == process.HOLDING_NAME:
+        return "holding server"
+    if process.name(_parent_of(pid)) in (process.FORKSERVER_NAME, process.HOLDING_NAME):
         return "worker"  # it has the trainer's command line and name
     if "multiprocessing.forkserver import main" in text and "multiprocessing" not in (_cmdline(_parent_of(pid)) or ""):
         return "forkserver"

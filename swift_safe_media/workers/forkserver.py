@@ -334,7 +334,8 @@ def _zygote_skips_main_script() -> None:
     """What this forkserver forks runs the parent's main script first (as spawn does): in
     the zygote, an unguarded script's top-level decode would wait for the zygote itself
     until the start-up timeout. The zygote needs nothing of it (a sandbox loads the
-    functions a call names there, :mod:`..engine.sandbox`): its preparation leaves it out."""
+    functions a call names there, :mod:`..engine.sandbox`): its preparation leaves it out,
+    as a holding server's does (:mod:`.held_arguments`: it must never run the script)."""
     from multiprocessing import spawn
 
     prepare = spawn.prepare
@@ -342,7 +343,7 @@ def _zygote_skips_main_script() -> None:
         return
 
     def prepare_child(data):
-        if data.get("name") == ZYGOTE_PROCESS:
+        if data.get("name") in (ZYGOTE_PROCESS, process.HOLDING_NAME):
             data = {key: value for key, value in data.items()
                     if key not in ("init_main_from_path", "init_main_from_name")}
         return prepare(data)

@@ -43,7 +43,7 @@ from .. import config, process
 
 log = logging.getLogger("swift_safe_media")
 
-SERVER_NAME = "swift-safe-media-holding-server"
+SERVER_NAME = process.HOLDING_NAME  # its process's name: prepared without the main script (workers.forkserver)
 
 # In a holding server and what it forks: key -> the (dataset, collate_fn) it unpickled. A
 # worker launched elsewhere with a reference puts what it unpickled here.
@@ -198,7 +198,12 @@ class HoldingServer:
 
 def serve_holding(key: str, data: bytes, ready, listener: socket.socket, alive_r: int) -> None:
     """The holding server's life: unpickle, say so, then serve as a forkserver until the
-    trainer's end of ``alive_r`` closes."""
+    trainer's end of ``alive_r`` closes. It never runs the trainer's main script (the warm
+    forkserver prepares it without): objects of ``__main__`` unpickle only where the forkserver
+    imported the script; elsewhere it says it cannot hold them."""
+    before = process.name()
+    process.set_name(process.HOLDING_NAME)
+    os.register_at_fork(after_in_child=lambda: process.set_name(before))  # its workers: the name they had
     try:
         _HELD[key] = pickle.loads(data)
         del data

@@ -14,7 +14,7 @@ import time
 import torch.utils.data
 
 import swift_safe_media
-from swift_safe_media import call
+from swift_safe_media import call, process
 
 
 def double(value):
@@ -51,6 +51,7 @@ def main(slow_item: bool, ours: bool) -> None:
     second = list(loaders[1])
     print(json.dumps({"first": first, "second": second, "killed": killed,
                       "new_forkserver": forkserver._forkserver._forkserver_pid,
+                      "holding_servers": [server.process.pid for server in process.current().holding_servers],
                       "launch": type(loaders[0].multiprocessing_context).__name__}), flush=True)
 
 
