@@ -331,11 +331,10 @@ def preload_in_forkserver() -> None:
 
 
 def _zygote_skips_main_script() -> None:
-    """What this forkserver forks runs the parent's main script first (as spawn does): in
-    the zygote, an unguarded script's top-level decode would wait for the zygote itself
-    until the start-up timeout. The zygote needs nothing of it (a sandbox loads the
-    functions a call names there, :mod:`..engine.sandbox`): its preparation leaves it out,
-    as a holding server's does (:mod:`.held_arguments`: it must never run the script)."""
+    """What this forkserver forks runs the parent's main script first (as spawn does): in the
+    zygote, an unguarded script's top-level decode would wait for the zygote itself until the
+    start-up timeout. The zygote needs nothing of it (a sandbox loads the functions a call names),
+    and a holding server must never run it (:mod:`.held_arguments`): their preparation leaves it out."""
     from multiprocessing import spawn
 
     prepare = spawn.prepare
