@@ -168,6 +168,7 @@ def lerobot_cycle(_method):
     return {"items": items, "start_method": loader.multiprocessing_context.get_start_method(),
             "forkserver": forkserver._forkserver._forkserver_pid, "zygote": shared.pid,
             "holding_servers": [server.process.pid for server in process.current().holding_servers],
+            "holding_why_not": [server.why_not for server in process.current().holding_servers],
             "zygote_started_by": shared.started_by.__name__, "zygotes_of_the_trainer": zygotes}
 
 
