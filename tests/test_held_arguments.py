@@ -125,3 +125,41 @@ def test_only_an_init_that_shares_nothing_is_plain():
     assert hold_ahead._plain(functools.partial(run_case, "held", extra=1))
     assert not hold_ahead._plain(functools.partial(run_case, ["a list"]))
     assert not hold_ahead._plain(object()) and not hold_ahead._plain(types.MethodType(run_case, object()))
+
+
+@pytest.mark.timeout(300)
+def test_a_server_that_cannot_hold_them_stays_as_that_answer_and_the_workers_unpickle_in_every_epoch():
+    found = run_case("refused")  # their unpickling raises in the server only
+    assert_as_the_trainer_encodes(found)
+    assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    assert len({item["pid"] for item in items(found)}) == 4
+    # One server for the two epochs' starts: it said no once, and no other was made for the objects.
+    [server] = found["servers"]
+    assert "not in a holding server" in server["why_not"] and not server["alive"], server
+    assert not server["keeps_bytes"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_a_dataset_class_of_a_script_the_forkserver_did_not_import_is_held_by_a_server_that_imported_it(tmp_path, ahead):
+    runs = tmp_path / "runs"
+    done = run_python(module="tests.programs.held_main", env=clean_environment(
+        {"HELD_MAIN_RUNS": str(runs), "SWIFT_SAFE_MEDIA_WORKER_ARGUMENTS_AHEAD": ahead}, warm_start=True), timeout=240)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(sample["square"] for sample in found["samples"]) == [0, 1, 4, 9]
+    parents = {sample["ppid"] for sample in found["samples"]}
+    ran_elsewhere = [run for run in found["ran"] if run["pid"] != found["trainer"]]
+    # The second loader's workers import the script themselves, as ever: its server needs nothing of it.
+    plain_workers = [pid for pid, _ in found["plain_workers"]]
+    assert len(plain_workers) == 2
+    if ahead == "1":
+        server, plain_server = found["servers"]
+        assert server["why_not"] is None and parents == {server["pid"]}, found
+        assert plain_server["why_not"] is None and {ppid for _, ppid in found["plain_workers"]} == {plain_server["pid"]}
+        # The script's top level ran once more, in the server, as a worker runs it; its workers found it imported.
+        assert ran_elsewhere[0] == {"pid": server["pid"], "name": held_arguments.SERVER_NAME}, found
+        assert sorted(run["pid"] for run in ran_elsewhere[1:]) == sorted(plain_workers), found
+    else:  # each worker from the forkserver imports the script itself
+        assert found["servers"] == [] and parents == {found["forkserver"]}
+        workers = {sample["pid"] for sample in found["samples"]} | set(plain_workers)
+        assert sorted(run["pid"] for run in ran_elsewhere) == sorted(workers)

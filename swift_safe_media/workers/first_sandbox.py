@@ -30,7 +30,6 @@ Nothing here may fail a worker: on any error the first decode starts its own.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 
@@ -50,12 +49,13 @@ class FirstSandbox:
         return ask, (self.kinds, self.threads, self.changed, self.removed)
 
 
-def for_launch(process_obj) -> FirstSandbox | None:
-    """In the trainer, as the worker ``process_obj`` is launched: what it should ask for, or None."""
+def for_launch(arguments) -> FirstSandbox | None:
+    """In the trainer, as a worker is launched with ``arguments`` (bound to torch's
+    ``_worker_loop``, or None for another target): what it should ask for, or None."""
     try:
         if not config.get(config.ZYGOTE) or not config.get(config.WORKER_FIRST_SANDBOX):
             return None
-        workers = _loader_workers(process_obj)
+        workers = _loader_workers(arguments)
         if workers is None:
             return None
         from .forkserver import environment_changes
@@ -70,12 +70,11 @@ def for_launch(process_obj) -> FirstSandbox | None:
         return None
 
 
-def _loader_workers(process_obj) -> int | None:
+def _loader_workers(arguments) -> int | None:
     """The ``num_workers`` torch's ``_worker_loop`` is started with, or None (another target)."""
     try:
-        bound = inspect.signature(process_obj._target).bind(*process_obj._args, **process_obj._kwargs)
-        return int(bound.arguments["num_workers"])
-    except (TypeError, ValueError, KeyError):
+        return int(arguments.arguments["num_workers"])
+    except (AttributeError, TypeError, ValueError, KeyError):
         return None
 
 

@@ -180,8 +180,6 @@ def _main_for_forkserver() -> str | None:
     """How the forkserver names this process's main script, so that workers forked from it
     find it imported (``path:FILE`` or ``module:NAME``, as CPython tells a child), or None:
     when it is off, or the script's top level does more than import and define."""
-    from multiprocessing import spawn
-
     from . import spawn_guard
 
     if not config.get(config.FORKSERVER_IMPORTS_MAIN):
@@ -189,12 +187,7 @@ def _main_for_forkserver() -> str | None:
     script = getattr(sys.modules.get("__main__"), "__file__", None)
     if not script or not spawn_guard.only_imports_and_defines(script):
         return None
-    told = spawn.get_preparation_data("swift-safe-media-forkserver")
-    if "init_main_from_name" in told:
-        return f"module:{told['init_main_from_name']}"
-    if "init_main_from_path" in told:
-        return f"path:{told['init_main_from_path']}"
-    return None
+    return spawn_guard.main_as_told()
 
 
 class _WithEnvironment:
@@ -307,7 +300,9 @@ def preload_in_forkserver() -> None:
         zygote_start.preload(config.get(config.FORKSERVER_PRELOAD), lambda: os.getppid() == parent)
         threads_before_main = len(process.thread_names())
         if os.getppid() == parent:
-            _import_main(config.get(config.FORKSERVER_MAIN))
+            from . import spawn_guard
+
+            spawn_guard.import_main(config.get(config.FORKSERVER_MAIN))
     finally:
         for name, value in saved.items():  # what the workers see is the user's environment
             if value is None:
@@ -334,7 +329,8 @@ def _zygote_skips_main_script() -> None:
     """What this forkserver forks runs the parent's main script first (as spawn does): in the
     zygote, an unguarded script's top-level decode would wait for the zygote itself until the
     start-up timeout. The zygote needs nothing of it (a sandbox loads the functions a call names),
-    and a holding server must never run it (:mod:`.held_arguments`): their preparation leaves it out."""
+    and a holding server imports it only where its objects need it (:mod:`.held_arguments`):
+    their preparation leaves it out."""
     from multiprocessing import spawn
 
     prepare = spawn.prepare
@@ -349,28 +345,6 @@ def _zygote_skips_main_script() -> None:
 
     prepare_child._swift_safe_media = True
     spawn.prepare = prepare_child
-
-
-def _import_main(main: str | None) -> None:
-    """Import the trainer's main script as CPython's spawn does in each child (as
-    ``__mp_main__``, under ``__name__ != "__main__"``); a child forked from here then finds
-    it imported and skips it. A failure is left to the children, which meet it anyway."""
-    if not main:
-        return
-    from multiprocessing import spawn
-
-    kind, _, name = main.partition(":")
-    current = multiprocessing.current_process()
-    current._inheriting = True  # as CPython marks a child preparing: it must not start processes
-    try:
-        if kind == "module":
-            spawn._fixup_main_from_name(name)
-        else:
-            spawn.import_main_path(name)
-    except (Exception, SystemExit) as exc:
-        log.debug("swift_safe_media: the warm forkserver could not import %s: %r", name, exc)
-    finally:
-        del current._inheriting
 
 
 def _map_large_blocks(kib: int) -> None:

@@ -27,6 +27,7 @@ pid's reading wraps. On a later Python, not read yet, the loader gets CPython's 
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import multiprocessing
@@ -52,15 +53,25 @@ def _write_all(fd: int, data: io.BytesIO) -> None:
         log.debug("swift_safe_media: a DataLoader worker did not read its arguments: %r", exc)
 
 
+def _worker_loop_arguments(process_obj) -> inspect.BoundArguments | None:
+    """The launch's arguments bound to its target's parameters (torch's ``_worker_loop``: by
+    name, whatever the torch release passes by position), or None where they do not bind."""
+    try:
+        return inspect.signature(process_obj._target).bind(*process_obj._args, **process_obj._kwargs)
+    except (TypeError, ValueError):
+        return None
+
+
 class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj):
         prep_data = spawn.get_preparation_data(process_obj._name)
-        first = first_sandbox.for_launch(process_obj)
+        arguments = _worker_loop_arguments(process_obj)
+        first = first_sandbox.for_launch(arguments)
         if first is not None:  # unpickled before the arguments: the worker asks for it as it begins
             prep_data["swift_safe_media_first_sandbox"] = first
         data = io.BytesIO()
         # A dataset and collate_fn a holding server unpickled ahead go as references to its objects.
-        with held_arguments.in_place_of_held(process_obj) as server:
+        with held_arguments.in_place_of_held(process_obj, arguments) as server:
             context.set_spawning_popen(self)
             try:
                 reduction.dump(prep_data, data)
@@ -94,7 +105,8 @@ class _Popen(popen_forkserver.Popen):
         server, self._held_by = self._held_by, None
         data, self._data = self._data, None
         if not multiprocessing.connection.wait([self.sentinel], config.start_timeout()):
-            server.stop()  # it forks nothing more: the pid is there now, or never
+            # It forks nothing more: the pid is there now, or never.
+            server.end(f"it forked no worker within the start-up timeout ({config.start_timeout():g} s)")
         if multiprocessing.connection.wait([self.sentinel], 0):
             try:
                 return forkserver.read_signed(self.sentinel)

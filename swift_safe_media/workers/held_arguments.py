@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import io
 import logging
 import multiprocessing
@@ -39,7 +38,8 @@ import socket
 import uuid
 from multiprocessing import connection, context, forkserver, popen_forkserver, reduction, resource_tracker
 
-from .. import config, process
+from .. import process
+from . import spawn_guard
 
 log = logging.getLogger("swift_safe_media")
 
@@ -110,7 +110,7 @@ def _detached(duplicate) -> int:
 class HoldingServer:
     """The trainer's end of one holding server (started by ``context``, the warm forkserver's)."""
 
-    def __init__(self, unit: tuple, data: bytes, context):
+    def __init__(self, unit: tuple, data: bytes, context, main: str | None = None):
         self.unit, self.data, self.key = unit, data, uuid.uuid4().hex
         self.why_not: str | None = None  # once it has answered: None (serving) or why it does not
         self._answered = False
@@ -123,7 +123,7 @@ class HoldingServer:
             os.chmod(self.address, 0o600)
             listener.listen()
             self.process = context.Process(
-                target=serve_holding, args=(self.key, data, ready_w, listener, _Fd(alive_r)),
+                target=serve_holding, args=(self.key, data, main, ready_w, listener, _Fd(alive_r)),
                 name=SERVER_NAME, daemon=True)
             self.process.start()
         except BaseException:
@@ -145,7 +145,9 @@ class HoldingServer:
                 message = b"it ended before it had unpickled them"
             self._answered, self.why_not = True, message.decode(errors="replace") or None
             self._ready.close()
-            if self.why_not:
+            if self.why_not:  # kept in the list as a refusal for these objects; the bytes are let go
+                self.data = None
+                self.process.join(5)
                 log.info("swift_safe_media: a loader's workers unpickle their dataset themselves: %s", self.why_not)
         return self.why_not is None
 
@@ -163,10 +165,6 @@ class HoldingServer:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
-
-    def stop(self) -> None:
-        """Its workers' start waited past the start-up timeout: it ends."""
-        self.end(f"it forked no worker within the start-up timeout ({config.start_timeout():g} s)")
 
     def connect(self, fds: list[int]) -> tuple[int, int]:
         """CPython's request for a new process (``ForkServer.connect_to_new_process``), sent to
@@ -196,15 +194,16 @@ class HoldingServer:
                 os.close(child_w)
 
 
-def serve_holding(key: str, data: bytes, ready, listener: socket.socket, alive_r: int) -> None:
+def serve_holding(key: str, data: bytes, main: str | None, ready, listener: socket.socket, alive_r: int) -> None:
     """The holding server's life: unpickle, say so, then serve as a forkserver until the
-    trainer's end of ``alive_r`` closes. It never runs the trainer's main script (the warm
-    forkserver prepares it without): objects of ``__main__`` unpickle only where the forkserver
-    imported the script; elsewhere it says it cannot hold them."""
+    trainer's end of ``alive_r`` closes. The warm forkserver prepares it without the trainer's
+    main script; it imports ``main`` (as a worker would) only where the objects need it
+    (:func:`.hold_ahead._main_for_server`), and its workers then find it imported."""
     before = process.name()
     process.set_name(process.HOLDING_NAME)
     os.register_at_fork(after_in_child=lambda: process.set_name(before))  # its workers: the name they had
     try:
+        spawn_guard.import_main(main)
         _HELD[key] = pickle.loads(data)
         del data
         multiprocessing.current_process()._args = ()  # the bytes are not kept
@@ -212,7 +211,7 @@ def serve_holding(key: str, data: bytes, ready, listener: socket.socket, alive_r
         gc.freeze()  # forked workers' collections leave these pages unwritten
         threads = process.thread_names()
         if len(threads) > 1:
-            raise RuntimeError(f"{len(threads)} threads after unpickling them ({', '.join(threads)})")
+            raise RuntimeError(f"{len(threads)} threads after its imports and unpickling them ({', '.join(threads)})")
     except BaseException as exc:  # the trainer's workers unpickle for themselves
         with contextlib.suppress(OSError):  # the trainer ended this server meanwhile
             ready.send_bytes(f"its server could not hold them: {exc!r}"[:500].encode())
@@ -223,19 +222,13 @@ def serve_holding(key: str, data: bytes, ready, listener: socket.socket, alive_r
     forkserver.main(listener.detach(), alive_r, [])
 
 
-def _bound_worker_arguments(process_obj):
-    try:
-        return inspect.signature(process_obj._target).bind(*process_obj._args, **process_obj._kwargs)
-    except (TypeError, ValueError):
-        return None
-
-
 @contextlib.contextmanager
-def in_place_of_held(process_obj):
-    """While ``process_obj`` is pickled for its launch: references in place of the objects this
-    start's server holds, if any. Yields that server, or None."""
+def in_place_of_held(process_obj, bound):
+    """While ``process_obj`` is pickled for its launch (``bound``: its arguments bound to torch's
+    ``_worker_loop``, or None): references in place of the objects this start's server holds, if
+    any. Yields that server, or None."""
     server = process.current().held_for_start
-    bound = _bound_worker_arguments(process_obj) if server is not None and not server.why_not else None
+    bound = bound if server is not None and not server.why_not else None
     arguments = bound.arguments if bound is not None else {}
     holder = arguments.get("dataset_holder")  # torch 2.14 hands the dataset over in a list of one
     if holder is not None:

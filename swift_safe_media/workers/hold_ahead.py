@@ -10,7 +10,8 @@ workers fork from it (the server and the references: :mod:`.held_arguments`).
   are pickled again; the same bytes, and the launches use the server, even while it is still
   unpickling (the requests wait in its queue: torch asks for the workers' pids as it starts
   them, so the start waits for the server as it would for the workers' own unpickling).
-  Other bytes, and the server is ended.
+  Other bytes, and the server is ended. A server that said it cannot hold them stays as that
+  answer (its bytes let go): the same objects are neither pickled again nor tried again.
 
 Not held: no workers; a loader with a ``multiprocessing_context`` of its own; objects that hand
 file descriptors over (torch's shared tensors) or pickle to more than :data:`MAX_HELD_BYTES`; a
@@ -83,9 +84,28 @@ def hold_ahead(dataset, collate_fn, worker_init_fn, num_workers: int, mp_context
     data = held_arguments.fingerprint(unit)
     if data is None or len(data) > MAX_HELD_BYTES:
         return None
-    server = held_arguments.HoldingServer(unit, data, warm_context())
+    server = held_arguments.HoldingServer(unit, data, warm_context(), _main_for_server(data))
     servers.append(server)
     return server
+
+
+def _main_for_server(data: bytes) -> str | None:
+    """The main module the server imports before it unpickles (as CPython tells a child), where
+    the objects may need something of it and a worker could import it (as the start checks:
+    the statement running is guarded, the module is a file); else None, and it runs nothing of
+    the script. Where the warm forkserver imported it, the server has it and skips the import.
+    Only the bytes are searched (a pickle naming ``__main__`` holds the string): reading the
+    names they need would cost a pass over every object, here in the trainer. A class the script
+    defines only under its main guard then costs the server one import of the script before it
+    says it cannot hold them (the start forks that loader's workers: the server is not used)."""
+    from . import spawn_guard
+
+    if b"__main__" not in data or spawn_guard.unguarded_main_statement() is not None:
+        return None
+    main = spawn_guard.main_as_told()
+    if main is None or spawn_guard.main_unreachable(lambda: data, frozenset) is not None:
+        return None
+    return main
 
 
 def _serving_for(loader) -> held_arguments.HoldingServer | None:
@@ -93,14 +113,14 @@ def _serving_for(loader) -> held_arguments.HoldingServer | None:
     one holding them as they were is ended."""
     if not _plain(loader.worker_init_fn):
         return None
-    servers = _servers()
-    for server in servers:
+    for server in _servers():
         if server.unit[0] is loader.dataset and server.unit[1] is loader.collate_fn:
+            if not server.may_serve():  # it said it cannot hold them: asked first, so never pickled again
+                return None
             if held_arguments.fingerprint(server.unit) != server.data:
                 server.end("its dataset or collate_fn changed after the loader was made")
                 return None
-            # Still unpickling: the workers' requests wait in its queue, as they would unpickle themselves.
-            return server if server.may_serve() else None
+            return server  # still unpickling: the requests wait in its queue, as workers would unpickle
     return None
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import functools
 import io
+import logging
 import multiprocessing
 import os
 import pickle
@@ -29,6 +30,8 @@ import pickletools
 import sys
 import threading
 import types
+
+log = logging.getLogger("swift_safe_media")
 
 RERUN_BY_CHILDREN = ("spawn", "forkserver")
 
@@ -80,10 +83,45 @@ def main_unreachable(pickled, main_names=frozenset) -> str | None:
                     f"\"__main__\":`, or by exec as a notebook cell is)")
         return None
     data = pickled()
-    if data is not None and _names_main(data):
+    if data is not None and names_main(data):
         return ("the DataLoader's dataset, collate_fn or worker_init_fn is defined in a main module without a "
                 "file (python -c, stdin, the interactive interpreter, a notebook cell), which a child cannot import")
     return None
+
+
+def main_as_told() -> str | None:
+    """How CPython tells a child to import this process's main module (``path:FILE`` or
+    ``module:NAME``), or None (it tells nothing: ``-c``, the interactive interpreter)."""
+    from multiprocessing import spawn
+
+    told = spawn.get_preparation_data("swift-safe-media-child")
+    if "init_main_from_name" in told:
+        return f"module:{told['init_main_from_name']}"
+    if "init_main_from_path" in told:
+        return f"path:{told['init_main_from_path']}"
+    return None
+
+
+def import_main(main: str | None) -> None:
+    """In a child prepared without it: import the parent's main module (:func:`main_as_told`)
+    as CPython's spawn does (as ``__mp_main__``, under ``__name__ != "__main__"``); a child
+    forked from here then finds it imported and skips it. A failure is left to what needs it."""
+    if not main:
+        return
+    from multiprocessing import spawn
+
+    kind, _, name = main.partition(":")
+    current = multiprocessing.current_process()
+    current._inheriting = True  # as CPython marks a child preparing: it must not start processes
+    try:
+        if kind == "module":
+            spawn._fixup_main_from_name(name)
+        else:
+            spawn.import_main_path(name)
+    except (Exception, SystemExit) as exc:
+        log.debug("swift_safe_media: %s could not import %s: %r", current.name, name, exc)
+    finally:
+        del current._inheriting
 
 
 # Types whose pickle succeeds, names nothing of ``__main__``, and can be gigabytes: the check
@@ -114,7 +152,7 @@ def pickle_noting_main(value) -> tuple[bytes, frozenset[str]]:
     """``pickle.dumps(value)`` with a stand-in for each array and tensor
     (:data:`PLAIN_DATA_TYPES`), and the qualified names of the classes and functions of
     ``__main__`` it refers to (pickled by name: a child must find them in its main module).
-    The bytes are for reading (:func:`_names_main`), not for loading."""
+    The bytes are for reading (:func:`names_main`), not for loading."""
     names: set[str] = set()
 
     class Noting(pickle.Pickler):
@@ -179,7 +217,7 @@ def _targets(target) -> set[str]:
     return {node.id for node in ast.walk(target) if isinstance(node, ast.Name)}
 
 
-def _names_main(pickled: bytes) -> bool:
+def names_main(pickled: bytes) -> bool:
     """Whether a pickle refers to a global of ``__main__`` (GLOBAL ``__main__ name``, or the
     module string STACK_GLOBAL reads)."""
     try:

@@ -10,7 +10,8 @@ forkserver's pid and the holding servers' (with their threads and whether they s
 Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader was made),
 ``server_killed`` (the server SIGKILLed once it has unpickled), ``unplain_init`` (a
 ``worker_init_fn`` that is an object), ``slow`` (the server takes 1.5 s to unpickle them),
-``server_dies`` (the server exits as it unpickles them, the workers' requests in its queue).
+``server_dies`` (the server exits as it unpickles them, the workers' requests in its queue),
+``refused`` (two epochs; the server cannot unpickle them and says so).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ TEXTS = ["a clip of 2 s", "héllo wörld", "<tool_call>", "0123456789 " * 3]
 
 
 class Marker:
-    """Unpickled slowly in a holding server (1.5 s), which then exits in the case ``server_dies``."""
+    """Unpickled slowly in a holding server (1.5 s), which then exits in the case ``server_dies``;
+    in the case ``refused``, it cannot be unpickled there."""
 
     def __init__(self, case: str):
         self.case = case
@@ -45,7 +47,10 @@ def rebuilt_marker(case: str) -> Marker:
 
     from swift_safe_media.workers import held_arguments
 
-    if case in ("slow", "server_dies") and multiprocessing.current_process().name == held_arguments.SERVER_NAME:
+    in_server = multiprocessing.current_process().name == held_arguments.SERVER_NAME
+    if case == "refused" and in_server:
+        raise ValueError("not in a holding server (tests.programs.held_workers)")
+    if case in ("slow", "server_dies") and in_server:
         time.sleep(1.5)
         if case == "server_dies":
             os._exit(3)
@@ -92,7 +97,8 @@ def servers() -> list[dict]:
             threads = len(os.listdir(f"/proc/{pid}/task"))
         except OSError:
             threads = 0
-        found.append({"pid": pid, "threads": threads, "alive": server.process.is_alive(), "why_not": server.why_not})
+        found.append({"pid": pid, "threads": threads, "alive": server.process.is_alive(), "why_not": server.why_not,
+                      "keeps_bytes": server.data is not None})
     return found
 
 
@@ -113,10 +119,12 @@ def main(case: str) -> dict:
         assert server._ready.poll(60) and server.may_serve()
         os.kill(server.process.pid, signal.SIGKILL)
         server.process.join(10)
+    if case == "refused":  # its answer is in before the start asks (one that comes later: ``server_dies``)
+        assert process.current().holding_servers[0]._ready.poll(60)
     began = time.monotonic()
     iterator = iter(loader)
     started = time.monotonic() - began  # the workers' start: queued in a server still unpickling, not waited for
-    epochs = [list(iterator)] + [list(loader) for _ in range(1 if case == "held" else 0)]
+    epochs = [list(iterator)] + [list(loader) for _ in range(1 if case in ("held", "refused") else 0)]
     time.sleep(0.2)  # an ended server's exit
     suffix = " changed" if case == "changed" else ""
     return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
