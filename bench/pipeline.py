@@ -145,7 +145,7 @@ def _memory_kb(pid: int) -> dict:
 
 def _role(pid: int, root: int, forkservers: set) -> str:
     """What a process of the tree is: the run itself, a DataLoader worker, the forkserver,
-    the zygote, a sandbox or another helper."""
+    the zygote, a sandbox, a holding server (a loader's dataset held ahead) or another helper."""
     if pid == root:
         return "parent"
     try:
@@ -156,6 +156,8 @@ def _role(pid: int, root: int, forkservers: set) -> str:
         return "gone"
     if comm in ("ssm-zygote", "ssm-sandbox"):
         return comm[4:]
+    if comm == "ssm-holding":
+        return "holding server"
     if "resource_tracker" in cmdline:
         return "helper"
     if comm == "ssm-forkserver" or ("multiprocessing.forkserver" in cmdline and parent not in forkservers):
@@ -166,7 +168,8 @@ def _role(pid: int, root: int, forkservers: set) -> str:
 
 class TreeMemory(threading.Thread):
     """Peak of the summed PSS of a process and all its descendants, and how that peak
-    divides between the kinds of process (parent, workers, forkserver, zygote, sandboxes)."""
+    divides between the kinds of process (parent, workers, forkserver, zygote, sandboxes,
+    holding servers)."""
 
     def __init__(self, pid: int, every: float = 0.2):
         super().__init__(daemon=True)
@@ -194,7 +197,7 @@ class TreeMemory(threading.Thread):
 
 def describe_memory(at_peak: dict) -> str:
     """'parent 612 (anon 380, uss 420), 2 workers 480 (...)' in MB, at the peak."""
-    order = ("parent", "worker", "forkserver", "zygote", "sandbox", "helper")
+    order = ("parent", "worker", "holding server", "forkserver", "zygote", "sandbox", "helper")
     parts = []
     for role in sorted(at_peak, key=lambda name: order.index(name) if name in order else len(order)):
         facts = at_peak[role]

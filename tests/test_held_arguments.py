@@ -22,8 +22,8 @@ from swift_safe_media.workers import held_arguments, hold_ahead
 from .fresh import clean_environment, run_python
 
 
-def run_case(case: str, **extra) -> dict:
-    done = run_python(module="tests.programs.held_workers", args=[case],
+def run_case(case: str, *args, **extra) -> dict:
+    done = run_python(module="tests.programs.held_workers", args=[case, *args],
                       env=clean_environment(extra, warm_start=True), timeout=240)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -41,14 +41,19 @@ def assert_as_the_trainer_encodes(found: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_every_epoch():
-    found = run_case("held")
+@pytest.mark.parametrize("classes", ["__main__", "module"])
+def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_every_epoch(classes):
+    found = run_case("held", *(["module"] if classes == "module" else []))
     assert_as_the_trainer_encodes(found)
     [server] = found["servers"]
     assert server["why_not"] is None and server["alive"] and server["threads"] == 1, server
     assert {item["ppid"] for item in items(found)} == {server["pid"]}
     # Two epochs, two workers each: four workers, all forked from the one server.
     assert len({item["pid"] for item in items(found)}) == 4
+    # Each start pickles the dataset once to compare it with the server's bytes, and the launches
+    # carry references. The start's check reads those bytes, but for classes of __main__ (it pickles
+    # them itself, to name them).
+    assert found["pickled_at_start"] == ([1, 1] if classes == "module" else [2, 2])
 
 
 @pytest.mark.timeout(300)
@@ -58,6 +63,7 @@ def test_a_dataset_changed_after_its_loader_was_made_is_unpickled_by_the_workers
     assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
     [made] = found["servers_made"]
     assert found["servers"] == []  # ended, and forgotten
+    assert found["pickled_at_start"] == [4]  # compared with the server's bytes, the check's own pickle, 2 launches
     with pytest.raises(FileNotFoundError):
         open(f"/proc/{made['pid']}/status").close()
 
@@ -98,6 +104,7 @@ def test_no_server_where_the_objects_could_be_shared_with_the_init_or_it_is_swit
     assert_as_the_trainer_encodes(found)
     assert found["servers_made"] == [] and found["servers"] == []
     assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    assert found["pickled_at_start"] == [3] * len(found["epochs"])  # the start's check and 2 launches
 
 
 def test_the_fingerprint_is_the_launch_bytes_and_none_where_descriptors_are_handed_over():
@@ -137,6 +144,7 @@ def test_a_server_that_cannot_hold_them_stays_as_that_answer_and_the_workers_unp
     [server] = found["servers"]
     assert "not in a holding server" in server["why_not"] and not server["alive"], server
     assert not server["keeps_bytes"]
+    assert found["pickled_at_start"] == [3, 3]  # the check and 2 launches: never again for the server
 
 
 @pytest.mark.timeout(300)

@@ -6,8 +6,9 @@ workers fork from it (the server and the references: :mod:`.held_arguments`).
   (as far as can be told before the start decides), its dataset and ``collate_fn`` are pickled
   together and a server is started on the bytes. The same two objects made into another
   loader (accelerate's prepared copy) share it.
-- **As the loader starts its workers** (:func:`used_by_launches`, around torch's start): they
-  are pickled again; the same bytes, and the launches use the server, even while it is still
+- **As the loader starts its workers** (:func:`serving_for`, asked by the start's checks, whose
+  own pickle of them it spares; :func:`used_by_launches`, around torch's start): they are
+  pickled again; the same bytes, and the launches use the server, even while it is still
   unpickling (the requests wait in its queue: torch asks for the workers' pids as it starts
   them, so the start waits for the server as it would for the workers' own unpickling).
   Other bytes, and the server is ended. A server that said it cannot hold them stays as that
@@ -108,7 +109,7 @@ def _main_for_server(data: bytes) -> str | None:
     return main
 
 
-def _serving_for(loader) -> held_arguments.HoldingServer | None:
+def serving_for(loader) -> held_arguments.HoldingServer | None:
     """The server holding ``loader``'s dataset and ``collate_fn`` as they pickle now, if any;
     one holding them as they were is ended."""
     if not _plain(loader.worker_init_fn):
@@ -125,13 +126,14 @@ def _serving_for(loader) -> held_arguments.HoldingServer | None:
 
 
 @contextlib.contextmanager
-def used_by_launches(loader, method: str):
-    """While ``loader`` starts its workers by ``method``: the holding server its launches use."""
+def used_by_launches(inputs, method: str):
+    """While a loader starts its workers by ``method``: the holding server its launches use
+    (``inputs``: the start's :class:`.start_method.StartInputs`, which found it)."""
     state = process.current()
     try:
         from .forkserver import FORKSERVER
 
-        state.held_for_start = _serving_for(loader) if method == FORKSERVER and loader.num_workers > 0 else None
+        state.held_for_start = inputs.held if method == FORKSERVER and inputs.loader.num_workers > 0 else None
     except Exception:
         log.debug("swift_safe_media: a loader's held dataset was not checked", exc_info=True)
         state.held_for_start = None
@@ -139,5 +141,3 @@ def used_by_launches(loader, method: str):
         yield
     finally:
         state.held_for_start = None
-
-

@@ -50,16 +50,16 @@ def get_iterator_deciding_start(stock_get_iterator, self):
 
 
 def _deciding_start(stock_get_iterator, self):
-    method = None
+    method, inputs = None, start_method.StartInputs(self)
     try:
         if config.enabled_by_environment() and self.num_workers > 0:
-            decision = start_method.decide(start_method.StartInputs(self))
+            decision = start_method.decide(inputs)
             start_method.apply(self, decision)
             method = decision.method
             decode_deadline.prepare_folder()  # before the workers start: they find it in the environment
     except Exception:  # a check must never stop the DataLoader itself
         log.debug("swift_safe_media: worker start checks skipped", exc_info=True)
-    with (hold_ahead.used_by_launches(self, method),  # before the environment's wrapper of worker_init_fn
+    with (hold_ahead.used_by_launches(inputs, method),  # before the environment's wrapper of worker_init_fn
           warm_start.workers_see_current_environment(self, method),
           plain_workers.workers_bound_libraries(self, method)):
         try:

@@ -19,7 +19,8 @@ tests/test_start_method.py). Rows 1-5 choose the method; rows 6 and 7 then check
 
 Each input is read only when a rule needs it (pickling the dataset, reading the script,
 waiting for the forkserver's report cost time), so a loader pays for no check it does
-not reach.
+not reach; where a holding server has the dataset as it pickles now, its bytes stand for
+the check's own pickle (:meth:`StartInputs._held_pickling`).
 """
 
 from __future__ import annotations
@@ -80,12 +81,33 @@ class StartInputs:
         return config.mp_context()
 
     @functools.cached_property
+    def held(self):
+        """The holding server that has the dataset and ``collate_fn`` as they pickle now, or None
+        (:func:`.hold_ahead.serving_for`; one that has them as they were is ended)."""
+        from . import hold_ahead
+
+        return hold_ahead.serving_for(self.loader)
+
+    @functools.cached_property
     def _pickling(self) -> tuple[bytes | Exception, frozenset[str]]:
         loader = self.loader
         try:
-            return spawn_guard.pickle_noting_main((loader.dataset, loader.collate_fn, loader.worker_init_fn))
+            return self._held_pickling() or spawn_guard.pickle_noting_main(
+                (loader.dataset, loader.collate_fn, loader.worker_init_fn))
         except Exception as exc:
             return exc, frozenset()
+
+    def _held_pickling(self) -> tuple[bytes, frozenset[str]] | None:
+        """Where a holding server has the dataset and ``collate_fn`` as they pickle now (the bytes
+        the workers' launch writes, which is the proof that they pickle) and those name nothing of
+        ``__main__`` (a pickle that does holds the string): its bytes, not a second pickle of them.
+        The ``worker_init_fn`` (where a server holds: none, a function, or a partial of one over
+        plain values) is pickled alone."""
+        server = self.held
+        if server is None or b"__main__" in server.data:
+            return None
+        _, names = spawn_guard.pickle_noting_main(self.loader.worker_init_fn)
+        return None if names else (server.data, frozenset())
 
     @property
     def pickled(self) -> bytes | Exception:

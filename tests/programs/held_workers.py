@@ -2,10 +2,11 @@
 2 workers started from the warm forkserver under ``enable()``, each case with a holding server
 (``workers.held_arguments``) in a different state.
 
-``python -m tests.programs.held_workers CASE`` prints one JSON object: what each worker saw
+``python -m tests.programs.held_workers CASE [module]`` prints one JSON object: what each worker saw
 (its pid, its parent, whether its dataset and ``collate_fn`` hold one tokenizer object, the token
 ids it encoded, the value it read of a setting the trainer changed), the expected ids, the
-forkserver's pid and the holding servers' (with their threads and whether they still run).
+forkserver's pid and the holding servers' (with their threads and whether they still run), and how
+often each start pickled the dataset.
 
 Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader was made),
 ``server_killed`` (the server SIGKILLed once it has unpickled), ``unplain_init`` (a
@@ -16,6 +17,7 @@ Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -29,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from tests import tiny_models
 
 TEXTS = ["a clip of 2 s", "héllo wörld", "<tool_call>", "0123456789 " * 3]
+PICKLED: list = []
 
 
 class Marker:
@@ -39,6 +42,7 @@ class Marker:
         self.case = case
 
     def __reduce__(self):
+        PICKLED.append(self.case)  # in the trainer: how often the start pickles the dataset
         return rebuilt_marker, (self.case,)
 
 
@@ -121,15 +125,21 @@ def main(case: str) -> dict:
         server.process.join(10)
     if case == "refused":  # its answer is in before the start asks (one that comes later: ``server_dies``)
         assert process.current().holding_servers[0]._ready.poll(60)
-    began = time.monotonic()
-    iterator = iter(loader)
-    started = time.monotonic() - began  # the workers' start: queued in a server still unpickling, not waited for
-    epochs = [list(iterator)] + [list(loader) for _ in range(1 if case in ("held", "refused") else 0)]
+    epochs, started, pickled = [], [], []
+    for _ in range(2 if case in ("held", "refused") else 1):
+        began, pickled_before = time.monotonic(), len(PICKLED)
+        iterator = iter(loader)
+        started.append(time.monotonic() - began)  # the workers' start: queued in a server still unpickling
+        pickled.append(len(PICKLED) - pickled_before)
+        epochs.append(list(iterator))
     time.sleep(0.2)  # an ended server's exit
     suffix = " changed" if case == "changed" else ""
     return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
-            "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started}
+            "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started,
+            "pickled_at_start": pickled}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    # ``CASE module``: the classes are this module's, not ``__main__``'s (which a pickle names).
+    defined = importlib.import_module("tests.programs.held_workers") if sys.argv[2:] == ["module"] else sys.modules[__name__]
+    print(json.dumps(defined.main(sys.argv[1])))
