@@ -57,17 +57,6 @@ def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_ever
 
 
 @pytest.mark.timeout(300)
-def test_a_loader_naming_the_forkserver_by_name_is_launched_as_ours_and_held():
-    """ms-swift passes ``--dataloader_multiprocessing_context forkserver``: torch makes it CPython's
-    context, whose forkserver is the warm one; the start makes it the warm one's own context."""
-    found = run_case("named_forkserver")
-    assert_as_the_trainer_encodes(found)
-    assert found["context"] == "WarmForkServerContext"
-    [server] = found["servers"]
-    assert server["why_not"] is None and {item["ppid"] for item in items(found)} == {server["pid"]}, found
-
-
-@pytest.mark.timeout(300)
 def test_a_dataset_changed_after_its_loader_was_made_is_unpickled_by_the_workers_as_it_is_now():
     found = run_case("changed")
     assert_as_the_trainer_encodes(found)  # the ids of the changed texts

@@ -14,8 +14,7 @@ workers fork from it (the server and the references: :mod:`.held_arguments`).
   Other bytes, and the server is ended. A server that said it cannot hold them stays as that
   answer (its bytes let go): the same objects are neither pickled again nor tried again.
 
-Not held: no workers; a loader with a ``multiprocessing_context`` of its own, but for a
-forkserver's (the start makes it the warm one's: ms-swift names it by its flag); objects that hand
+Not held: no workers; a loader with a ``multiprocessing_context`` of its own; objects that hand
 file descriptors over (torch's shared tensors) or pickle to more than :data:`MAX_HELD_BYTES`; a
 ``worker_init_fn`` that could share objects with them (only none, a function, or a
 ``functools.partial`` of one over plain values is taken); a Python whose launch
@@ -51,14 +50,6 @@ def _plain(value) -> bool:
     return False
 
 
-def _forkserver_or_none(mp_context) -> bool:
-    """No context of the loader's own, or a forkserver's (the start makes it the warm one's own:
-    ms-swift names it by its flag, LeRobot 0.6.1 by our adapter)."""
-    from multiprocessing.context import ForkServerContext
-
-    return mp_context is None or isinstance(mp_context, ForkServerContext)
-
-
 def _servers() -> list:
     return process.current().holding_servers
 
@@ -76,7 +67,7 @@ def loader_init_holding_ahead(stock_init, self, *args, **kwargs):
 def hold_ahead(dataset, collate_fn, worker_init_fn, num_workers: int, mp_context) -> held_arguments.HoldingServer | None:
     """Start a holding server for ``dataset`` and ``collate_fn`` where the workers of a loader of
     them will start from the warm forkserver (as far as can be told before they start)."""
-    if (num_workers <= 0 or not _forkserver_or_none(mp_context) or collate_fn is None
+    if (num_workers <= 0 or mp_context is not None or collate_fn is None
             or not config.get(config.WORKER_ARGUMENTS_AHEAD) or not config.enabled_by_environment()
             or process.current().forkserver_environment is None or not _plain(worker_init_fn)):
         return None

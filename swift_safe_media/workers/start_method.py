@@ -189,13 +189,6 @@ def _choose(inputs) -> Decision:
     return Decision(inputs.configured, 5)
 
 
-def _cpython_forkserver(context) -> bool:
-    from .forkserver_launch import WarmForkServerContext
-
-    return isinstance(context, multiprocessing.context.ForkServerContext) and not isinstance(
-        context, WarmForkServerContext)
-
-
 def context_for(method: str):
     """What a DataLoader's ``multiprocessing_context`` is set to for ``method``: for the warm
     forkserver, ``WarmForkServerContext`` (its workers unpickle side by side, each asking for
@@ -208,11 +201,8 @@ def context_for(method: str):
 
 
 def apply(loader, decision: Decision) -> None:
-    """Write the decision to ``loader`` (once) and log its warning (once per name). A forkserver
-    context named by its name (ms-swift's ``--dataloader_multiprocessing_context forkserver``, which
-    protection passes) is CPython's, whose forkserver is the warm one: it becomes the warm one's
-    own context, the same forkserver, so that the workers are launched as ours are."""
-    if decision.writes or (decision.method == FORKSERVER and _cpython_forkserver(loader.multiprocessing_context)):
+    """Write the decision to ``loader`` (once) and log its warning (once per name)."""
+    if decision.writes:
         loader.multiprocessing_context = context_for(decision.method)
     if decision.warning is not None:
         name, message = decision.warning

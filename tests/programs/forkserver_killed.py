@@ -2,9 +2,8 @@
 ``python -m tests.programs.forkserver_killed [slow] [ours]`` prints one JSON object: what a
 DataLoader whose workers were forked from it gave for the epoch, and what a second DataLoader,
 whose workers come from a new forkserver, gave; each item a decode in a sandbox. The loaders
-name ``forkserver`` (CPython's context, which the start makes the warm forkserver's own, as for
-ms-swift's flag), or with ``ours`` no start method (our launch, ``workers.forkserver_launch``,
-either way)."""
+name ``forkserver`` (CPython's launch), or with ``ours`` no start method (our launch,
+``workers.forkserver_launch``, as LeRobot's and LLaMA-Factory's loaders get)."""
 
 import json
 import os

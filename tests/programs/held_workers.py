@@ -12,8 +12,7 @@ Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader 
 ``server_killed`` (the server SIGKILLed once it has unpickled), ``unplain_init`` (a
 ``worker_init_fn`` that is an object), ``slow`` (the server takes 1.5 s to unpickle them),
 ``server_dies`` (the server exits as it unpickles them, the workers' requests in its queue),
-``refused`` (two epochs; the server cannot unpickle them and says so), ``named_forkserver`` (the
-loader names CPython's forkserver context by its name, as ms-swift's flag does).
+``refused`` (two epochs; the server cannot unpickle them and says so).
 """
 
 from __future__ import annotations
@@ -114,8 +113,7 @@ def main(case: str) -> dict:
     process.current().shared_zygote.ready.wait(120)
     dataset = Encoding(tiny_models._byte_level_tokenizer(), case)
     init = InitObject() if case == "unplain_init" else None
-    named = {"multiprocessing_context": "forkserver"} if case == "named_forkserver" else {}
-    loader = DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=Collate(dataset), worker_init_fn=init, **named)
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=Collate(dataset), worker_init_fn=init)
     made = servers()
     os.environ["HELD_TEST_SETTING"] = "set after the loader was made"  # workers see the trainer's environment
     if case == "changed":
@@ -138,7 +136,7 @@ def main(case: str) -> dict:
     suffix = " changed" if case == "changed" else ""
     return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
             "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started,
-            "pickled_at_start": pickled, "context": type(loader.multiprocessing_context).__name__}
+            "pickled_at_start": pickled}
 
 
 if __name__ == "__main__":

@@ -132,14 +132,7 @@ def shared(method):
     return {"items": items, "parent": {"pid": os.getpid(), "sandbox": call(sandbox_facts),
                                        "maps_large_blocks": large_block_is_mapped()},
             "zygote": owner.pid, "zygote_problem": owner.problem,
-            "forkserver": forkserver._forkserver._forkserver_pid,
-            "holding": [(server.process.pid, _parent(server.process.pid)) for server in process.current().holding_servers
-                        if server.may_serve()]}
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line for line in status if line.startswith("PPid:")).split()[1])
+            "forkserver": forkserver._forkserver._forkserver_pid}
 
 
 def held_lock(method):
