@@ -192,7 +192,7 @@ def test_the_start_check_writes_stand_ins_for_tensors_and_arrays(monkeypatch, no
     holder = held()
     holder.weights = torch.ones(1024, 1024)
     pickled, names = spawn_guard.pickle_noting_main(holder)
-    assert names == {"Held"} and spawn_guard.names_main(pickled) and len(pickled) < 4096
+    assert names == {"Held"} and spawn_guard._names_main(pickled) and len(pickled) < 4096
 
     # A tensor carrying attributes is pickled with them (its storage still stands in).
     tagged = torch.ones(1024, 1024)

@@ -95,13 +95,13 @@ def _main_for_server(data: bytes) -> str | None:
     the objects may need something of it and a worker could import it (as the start checks:
     the statement running is guarded, the module is a file); else None, and it runs nothing of
     the script. Where the warm forkserver imported it, the server has it and skips the import.
-    Only the bytes are searched (a pickle naming ``__main__`` holds the string): reading the
-    names they need would cost a pass over every object, here in the trainer. A class the script
+    Only the bytes are searched (:func:`.spawn_guard.may_name_main`): reading the names they
+    need would cost a pass over every object, here in the trainer. A class the script
     defines only under its main guard then costs the server one import of the script before it
     says it cannot hold them (the start forks that loader's workers: the server is not used)."""
     from . import spawn_guard
 
-    if b"__main__" not in data or spawn_guard.unguarded_main_statement() is not None:
+    if not spawn_guard.may_name_main(data) or spawn_guard.unguarded_main_statement() is not None:
         return None
     main = spawn_guard.main_as_told()
     if main is None or spawn_guard.main_unreachable(lambda: data, frozenset) is not None:

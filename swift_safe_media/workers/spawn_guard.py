@@ -83,7 +83,7 @@ def main_unreachable(pickled, main_names=frozenset) -> str | None:
                     f"\"__main__\":`, or by exec as a notebook cell is)")
         return None
     data = pickled()
-    if data is not None and names_main(data):
+    if data is not None and _names_main(data):
         return ("the DataLoader's dataset, collate_fn or worker_init_fn is defined in a main module without a "
                 "file (python -c, stdin, the interactive interpreter, a notebook cell), which a child cannot import")
     return None
@@ -152,7 +152,7 @@ def pickle_noting_main(value) -> tuple[bytes, frozenset[str]]:
     """``pickle.dumps(value)`` with a stand-in for each array and tensor
     (:data:`PLAIN_DATA_TYPES`), and the qualified names of the classes and functions of
     ``__main__`` it refers to (pickled by name: a child must find them in its main module).
-    The bytes are for reading (:func:`names_main`), not for loading."""
+    The bytes are for reading (:func:`_names_main`), not for loading."""
     names: set[str] = set()
 
     class Noting(pickle.Pickler):
@@ -217,7 +217,13 @@ def _targets(target) -> set[str]:
     return {node.id for node in ast.walk(target) if isinstance(node, ast.Name)}
 
 
-def names_main(pickled: bytes) -> bool:
+def may_name_main(pickled: bytes) -> bool:
+    """Whether a pickle may refer to a global of ``__main__``: one that does holds the string
+    (a bytes search, no pass over its opcodes; :func:`_names_main` reads them)."""
+    return b"__main__" in pickled
+
+
+def _names_main(pickled: bytes) -> bool:
     """Whether a pickle refers to a global of ``__main__`` (GLOBAL ``__main__ name``, or the
     module string STACK_GLOBAL reads)."""
     try:

@@ -100,11 +100,11 @@ class StartInputs:
     def _held_pickling(self) -> tuple[bytes, frozenset[str]] | None:
         """Where a holding server has the dataset and ``collate_fn`` as they pickle now (the bytes
         the workers' launch writes, which is the proof that they pickle) and those name nothing of
-        ``__main__`` (a pickle that does holds the string): its bytes, not a second pickle of them.
+        ``__main__`` (:func:`.spawn_guard.may_name_main`): its bytes, not a second pickle of them.
         The ``worker_init_fn`` (where a server holds: none, a function, or a partial of one over
         plain values) is pickled alone."""
         server = self.held
-        if server is None or b"__main__" in server.data:
+        if server is None or spawn_guard.may_name_main(server.data):
             return None
         _, names = spawn_guard.pickle_noting_main(self.loader.worker_init_fn)
         return None if names else (server.data, frozenset())
