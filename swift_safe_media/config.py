@@ -166,6 +166,10 @@ WORKER_ARGUMENTS_AHEAD = _declare("SWIFT_SAFE_MEDIA_WORKER_ARGUMENTS_AHEAD", SWI
                                   "a DataLoader's dataset and collate_fn are unpickled as it is made, once, by a "
                                   "process its workers from the warm forkserver fork from; `0`: each worker "
                                   "unpickles them as it starts")
+LOADS_AHEAD = _declare("SWIFT_SAFE_MEDIA_LOADS_AHEAD", SWITCH, True,
+                       "what transformers' `from_pretrained` loads (the first fast tokenizer, the model family's "
+                       "modules) is unpickled and imported ahead by holding servers a loader's holding server "
+                       "is then forked from; `0`: the loader's server does it all")
 WORKER_PRELOAD = _declare("SWIFT_SAFE_MEDIA_WORKER_PRELOAD", LIST, "",
                           "more modules the warm forkserver imports for DataLoader workers")
 # glibc raises its mmap threshold to the largest block freed so far (up to 32 MiB), so

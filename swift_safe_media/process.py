@@ -63,6 +63,13 @@ class ProcessState:
     # loader starting its workers now uses (None: none)
     holding_servers: list = field(default_factory=list)
     held_for_start: object = None
+    # workers.loaded_ahead: the holding servers of what from_pretrained loaded (oldest first), the
+    # tokenizer handed ahead (HeldTokenizer), the loads running now (nested: the outermost's count)
+    loaded_ahead: list = field(default_factory=list)
+    held_tokenizer: object = None
+    loads_underway: int = 0
+    modules_ahead: set = field(default_factory=set)  # the modules those servers were given to import
+    holding_parent: object = None  # the server a holding server starting now is forked from (None: the forkserver)
     scratch_folder: str | None = None  # run_folders.scratch_for_call's parent, made on first use
 
 

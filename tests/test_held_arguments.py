@@ -171,3 +171,45 @@ def test_a_dataset_class_of_a_script_the_forkserver_did_not_import_is_held_by_a_
         assert found["servers"] == [] and parents == {found["forkserver"]}
         workers = {sample["pid"] for sample in found["samples"]} | set(plain_workers)
         assert sorted(run["pid"] for run in ran_elsewhere) == sorted(workers)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, extra", [("tokenizer", {}), ("tokenizer_changed", {}), ("tokenizer_killed", {}),
+                                         ("tokenizer", {"SWIFT_SAFE_MEDIA_LOADS_AHEAD": "0"})])
+def test_what_from_pretrained_loads_is_held_ahead_by_servers_the_loaders_server_forks_from(case, extra):
+    found = run_case(case, **extra)
+    assert_as_the_trainer_encodes(found)
+    forkserver, ahead, servers = found["forkserver"], found["loaded_ahead"], found["servers"]
+    # In each worker: the keys under which a server holds its tokenizer object alone, and the
+    # modules a server imported ahead.
+    held_as = {tuple(item["tokenizer_held_as"]) for item in items(found)}
+    imported = {tuple(item["modules_imported_ahead"]) for item in items(found)}
+    if extra:  # switched off: nothing ahead, the loader's server forks from the warm forkserver and imports
+        assert ahead == [] and found["tokenizer_key"] is None and held_as == {()} and imported == {()}
+        assert [server["parent"] for server in servers] in ([forkserver], [])
+        return
+    tokenizer_server, modules_server = ahead  # the tokenizer's load, then the image processor's
+    assert tokenizer_server["key"] == found["tokenizer_key"]
+    if case == "tokenizer_killed":  # the loader's server (if it serves) starts from the warm forkserver
+        assert not tokenizer_server["alive"] and not modules_server["alive"], ahead
+        assert "gone" in modules_server["why_not"]
+        assert {server["parent"] for server in servers} <= {forkserver}
+        assert {item["ppid"] for item in items(found)} <= {forkserver} | {server["pid"] for server in servers}
+        assert held_as == {(tokenizer_server["key"],)} and imported == {()}  # it unpickled the bytes referred to
+        return
+    for server in ahead:
+        assert server["alive"] and server["threads"] == 1 and server["why_not"] is None, server
+    assert tokenizer_server["parent"] == forkserver and modules_server["parent"] == tokenizer_server["pid"]
+    # The loader's server, a fork of the newest: the tokenizer unpickled and the image processor's
+    # module imported before it unpickled the dataset. Its workers, forks of it.
+    [server] = servers
+    assert server["why_not"] is None and server["parent"] == modules_server["pid"]
+    assert {item["ppid"] for item in items(found)} == {server["pid"]}
+    [modules] = imported
+    assert set(IMAGE_MODULES) <= set(modules), modules
+    # A token added after the load: the tokenizer pickled in full, the workers' own.
+    assert held_as == ({()} if case == "tokenizer_changed" else {(tokenizer_server["key"],)})
+
+
+IMAGE_MODULES = ("transformers.models.qwen2_vl", "transformers.models.qwen2_vl.configuration_qwen2_vl",
+                 "transformers.models.qwen2_vl.image_processing_qwen2_vl")

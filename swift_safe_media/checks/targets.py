@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..patching import host_adapters as integrations, media_libraries, moved_targets, torch_dataloader
+from ..workers import loaded_ahead
 
 
 @dataclass
@@ -44,6 +45,7 @@ def _host_table(host: str) -> Table:
 def tables() -> list[Table]:
     found = [Table("the media libraries", media_libraries.PATCHES)]
     found += [Table(patches.label, patches) for patches in torch_dataloader._patches.values()]
+    found.append(Table(loaded_ahead.PATCHES.label, loaded_ahead.PATCHES))
     return found + [_host_table(host) for host in integrations.known_hosts()]
 
 

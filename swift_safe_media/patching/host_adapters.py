@@ -104,6 +104,11 @@ class HostAdapter:
     # once by the warm forkserver (workers/forkserver.py).
     WORKER_PRELOAD: tuple[str, ...] = ()
 
+    # Optional: False where the host hands its loaders a start method's context of their own,
+    # so that no holding server holds their objects: what ``from_pretrained`` loads is then
+    # not held ahead for them either (workers/loaded_ahead.py).
+    LOADERS_HELD: bool = True
+
     def worker_start_method(self, loader) -> str | None:
         """The start method this host prefers for ``loader`` (row 1 of the decision in
         workers/start_method.py), or None to leave it to the other rows."""
@@ -127,7 +132,7 @@ class HostAdapter:
 
 REQUIRED = ("HOST", "DISTRIBUTION", "SUPPORTED", "TRIGGER_MODULES", "get_version", "patch", "unpatch",
             "is_patched")
-OPTIONAL = ("FLAG_MODULES", "register_flags", "WORKER_PRELOAD", "worker_start_method",
+OPTIONAL = ("FLAG_MODULES", "register_flags", "WORKER_PRELOAD", "LOADERS_HELD", "worker_start_method",
             "command_line_asks_for_protection", "is_launcher", "unsupported")
 
 
@@ -263,6 +268,11 @@ def hosts_worker_start_method(loader) -> str | None:
 
 def enabled_hosts() -> set[str]:
     return set(_enabled_hosts)
+
+
+def loaders_may_be_held() -> bool:
+    """False where a host patched here hands its loaders a context of their own (``LOADERS_HELD``)."""
+    return all(adapter_for(host).LOADERS_HELD for host in patched_hosts())
 
 
 def patched_hosts() -> set[str]:

@@ -290,10 +290,7 @@ def preload_in_forkserver() -> None:
         from ..records import watchdog
 
         watchdog.answer_stack_dumps()
-    quiet = forked_forkserver.quiet_import_environment()
-    saved = {name: os.environ.get(name) for name in quiet}
-    os.environ.update(quiet)
-    try:
+    with quietly_importing():
         from ..engine import zygote_start
 
         forked_forkserver.announce_hosts_imported_ahead()  # with the settings the orders brought
@@ -303,12 +300,6 @@ def preload_in_forkserver() -> None:
             from . import spawn_guard
 
             spawn_guard.import_main(config.get(config.FORKSERVER_MAIN))
-    finally:
-        for name, value in saved.items():  # what the workers see is the user's environment
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     # What is imported now stays shared with everything forked from here: frozen, the
     # objects are left out of the children's garbage collections, which would otherwise
     # write to (and so copy) every page holding one.
@@ -323,6 +314,24 @@ def preload_in_forkserver() -> None:
                    if len(threads) > threads_before_main else "")
         log.warning("swift_safe_media: the warm forkserver has %d threads after its imports (%s)%s; "
                     "DataLoader workers will be spawned instead", len(threads), ", ".join(threads), by_main)
+
+
+@contextlib.contextmanager
+def quietly_importing():
+    """Within: thread pools of one thread for what imports (a pool started at import would leave
+    the process unsafe to fork: :func:`.forked_forkserver.quiet_import_environment`); after, the
+    environment as it was, which is what the workers see."""
+    quiet = forked_forkserver.quiet_import_environment()
+    saved = {name: os.environ.get(name) for name in quiet}
+    os.environ.update(quiet)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _zygote_skips_main_script() -> None:

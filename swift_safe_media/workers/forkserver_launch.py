@@ -38,7 +38,7 @@ import threading
 import time
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 
-from .. import config
+from .. import config, process
 from . import first_sandbox, held_arguments
 
 log = logging.getLogger("swift_safe_media")
@@ -64,6 +64,7 @@ def _worker_loop_arguments(process_obj) -> inspect.BoundArguments | None:
 
 class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj):
+        self._what = "a holding server" if process_obj.name == held_arguments.SERVER_NAME else "a DataLoader worker"
         prep_data = spawn.get_preparation_data(process_obj._name)
         arguments = _worker_loop_arguments(process_obj)
         first = first_sandbox.for_launch(arguments)
@@ -78,6 +79,7 @@ class _Popen(popen_forkserver.Popen):
                 reduction.dump(process_obj, data)
             finally:
                 context.set_spawning_popen(None)
+        server = server or process.current().holding_parent  # a holding server forked from another one
         self._held_by = server if server is not None and self._send(data, server.connect) else None
         if self._held_by is None:
             self._send(data, forkserver.connect_to_new_process)
@@ -113,8 +115,8 @@ class _Popen(popen_forkserver.Popen):
             except EOFError:
                 pass
         server.end(server.why_not or "it ended before it forked a worker")
-        log.warning("swift_safe_media: a DataLoader worker's holding server did not start it (%s); "
-                    "the warm forkserver does", server.why_not)
+        log.warning("swift_safe_media: %s's holding server did not start it (%s); the warm forkserver does",
+                    self._what, server.why_not)
         self.finalizer()
         self._send(data, forkserver.connect_to_new_process)
         return forkserver.read_signed(self.sentinel)

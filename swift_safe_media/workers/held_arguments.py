@@ -81,13 +81,16 @@ class _CollectingPopen:
         return len(self.fds) - 1
 
 
-def fingerprint(unit) -> bytes | None:
-    """The bytes a worker's launch writes for ``unit``; None where they hand descriptors over."""
+def fingerprint(unit, reducers: dict | None = None) -> bytes | None:
+    """The bytes a worker's launch writes for ``unit`` (``reducers``: more entries of the
+    pickler's dispatch table); None where they hand descriptors over."""
     buffer, popen = io.BytesIO(), _CollectingPopen()
     before = context.get_spawning_popen()
     context.set_spawning_popen(popen)
     try:
-        reduction.ForkingPickler(buffer).dump(unit)
+        pickler = reduction.ForkingPickler(buffer)
+        pickler.dispatch_table.update(reducers or {})
+        pickler.dump(unit)
     finally:
         context.set_spawning_popen(before)
     return None if popen.fds else buffer.getvalue()
@@ -108,9 +111,10 @@ def _detached(duplicate) -> int:
 
 
 class HoldingServer:
-    """The trainer's end of one holding server (started by ``context``, the warm forkserver's)."""
+    """The trainer's end of one holding server (started by ``context``, the warm forkserver's;
+    forked from ``parent``, another holding server, where given: :mod:`.loaded_ahead`)."""
 
-    def __init__(self, unit: tuple, data: bytes, context, main: str | None = None):
+    def __init__(self, unit: tuple, data: bytes, context, main: str | None = None, parent=None):
         self.unit, self.data, self.key = unit, data, uuid.uuid4().hex
         self.why_not: str | None = None  # once it has answered: None (serving) or why it does not
         self._answered = False
@@ -125,7 +129,12 @@ class HoldingServer:
             self.process = context.Process(
                 target=serve_holding, args=(self.key, data, main, ready_w, listener, _Fd(alive_r)),
                 name=SERVER_NAME, daemon=True)
-            self.process.start()
+            state = process.current()
+            state.holding_parent = parent  # the launch asks it to fork this server (forkserver_launch)
+            try:
+                self.process.start()
+            finally:
+                state.holding_parent = None
         except BaseException:
             ready_r.close()
             os.close(self._alive_w)

@@ -30,9 +30,9 @@ import functools
 import logging
 import types
 
-from .. import config, process
-from . import held_arguments
-from .forkserver_launch import _CONTEXT, warm_context
+from .. import process
+from . import held_arguments, loaded_ahead
+from .forkserver_launch import warm_context
 
 log = logging.getLogger("swift_safe_media")
 
@@ -67,13 +67,8 @@ def loader_init_holding_ahead(stock_init, self, *args, **kwargs):
 def hold_ahead(dataset, collate_fn, worker_init_fn, num_workers: int, mp_context) -> held_arguments.HoldingServer | None:
     """Start a holding server for ``dataset`` and ``collate_fn`` where the workers of a loader of
     them will start from the warm forkserver (as far as can be told before they start)."""
-    if (num_workers <= 0 or mp_context is not None or collate_fn is None
-            or not config.get(config.WORKER_ARGUMENTS_AHEAD) or not config.enabled_by_environment()
-            or process.current().forkserver_environment is None or not _plain(worker_init_fn)):
-        return None
-    from torch.utils.data import get_worker_info
-
-    if get_worker_info() is not None or warm_context() is not _CONTEXT:
+    if (num_workers <= 0 or mp_context is not None or collate_fn is None or not _plain(worker_init_fn)
+            or not loaded_ahead.may_hold_here()):
         return None
     servers = _servers()
     for server in servers:
@@ -82,10 +77,11 @@ def hold_ahead(dataset, collate_fn, worker_init_fn, num_workers: int, mp_context
     if len(servers) >= MAX_SERVERS:
         return None
     unit = (dataset, collate_fn)
-    data = held_arguments.fingerprint(unit)
+    data = held_arguments.fingerprint(unit, loaded_ahead.references())
     if data is None or len(data) > MAX_HELD_BYTES:
         return None
-    server = held_arguments.HoldingServer(unit, data, warm_context(), _main_for_server(data))
+    server = held_arguments.HoldingServer(unit, data, warm_context(), _main_for_server(data),
+                                          loaded_ahead.newest())
     servers.append(server)
     return server
 
@@ -118,7 +114,7 @@ def serving_for(loader) -> held_arguments.HoldingServer | None:
         if server.unit[0] is loader.dataset and server.unit[1] is loader.collate_fn:
             if not server.may_serve():  # it said it cannot hold them: asked first, so never pickled again
                 return None
-            if held_arguments.fingerprint(server.unit) != server.data:
+            if held_arguments.fingerprint(server.unit, loaded_ahead.references()) != server.data:
                 server.end("its dataset or collate_fn changed after the loader was made")
                 return None
             return server  # still unpickling: the requests wait in its queue, as workers would unpickle

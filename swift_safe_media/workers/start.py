@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from .. import config
-from . import decode_deadline, hold_ahead, plain as plain_workers, forkserver as warm_start, reduced_once, start_method
+from . import decode_deadline, loaded_ahead, hold_ahead, plain as plain_workers, forkserver as warm_start, reduced_once, start_method
 from ..patching import torch_dataloader
 
 log = logging.getLogger("swift_safe_media")
@@ -28,6 +28,7 @@ def install() -> None:
     once torch's DataLoader is imported), through the table of torch's targets."""
     torch_dataloader.patch("worker start")
     torch_dataloader.patch("held arguments")
+    loaded_ahead.install()
     plain_workers.patch_workers_tasks()  # here too: a forked worker keeps its parent's patches
 
 
@@ -37,6 +38,7 @@ def uninstall() -> None:
 
     torch_dataloader.unpatch("worker start")
     torch_dataloader.unpatch("held arguments")
+    loaded_ahead.uninstall()
     torch_dataloader.unpatch("decode deadline")
     torch_dataloader.unpatch("typed errors")
     media_openers.disable()

@@ -12,7 +12,11 @@ Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader 
 ``server_killed`` (the server SIGKILLed once it has unpickled), ``unplain_init`` (a
 ``worker_init_fn`` that is an object), ``slow`` (the server takes 1.5 s to unpickle them),
 ``server_dies`` (the server exits as it unpickles them, the workers' requests in its queue),
-``refused`` (two epochs; the server cannot unpickle them and says so).
+``refused`` (two epochs; the server cannot unpickle them and says so). The dataset's tokenizer is
+built in the trainer but for ``tokenizer`` (loaded by transformers' ``from_pretrained``, so held ahead
+by a server of its own, as is the module of an image processor the dataset holds:
+``workers.loaded_ahead``), ``tokenizer_changed`` (loaded, then a token added) and
+``tokenizer_killed`` (loaded, every server of what was loaded SIGKILLed once it has done its part).
 """
 
 from __future__ import annotations
@@ -84,8 +88,14 @@ class Collate:
     def __call__(self, item):
         from torch.utils.data import get_worker_info
 
+        from swift_safe_media.workers import held_arguments
+
+        held = [key for key, unit in held_arguments._HELD.items() if len(unit) == 1 and unit[0] is self.tokenizer]
+        imported = [name for unit in held_arguments._HELD.values() if len(unit) == 1 and type(unit[0]) is tuple
+                    for name in unit[0]]
         return {**item, "pid": os.getpid(), "ppid": os.getppid(), "shared": self.tokenizer is get_worker_info().dataset.tokenizer,
-                "same_dataset": self.dataset is get_worker_info().dataset, "setting": os.environ.get("HELD_TEST_SETTING")}
+                "same_dataset": self.dataset is get_worker_info().dataset, "setting": os.environ.get("HELD_TEST_SETTING"),
+                "tokenizer_held_as": held, "modules_imported_ahead": imported}
 
 
 class InitObject:
@@ -93,17 +103,48 @@ class InitObject:
         pass
 
 
+def described(server) -> dict:
+    pid = server.process.pid
+    try:
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        with open(f"/proc/{pid}/stat") as stat:
+            parent = int(stat.read().rpartition(")")[2].split()[1])
+    except OSError:
+        threads, parent = 0, None
+    return {"pid": pid, "threads": threads, "alive": server.process.is_alive(), "why_not": server.why_not,
+            "keeps_bytes": server.data is not None, "parent": parent, "key": server.key}
+
+
 def servers() -> list[dict]:
-    found = []
-    for server in process.current().holding_servers:
-        pid = server.process.pid
-        try:
-            threads = len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            threads = 0
-        found.append({"pid": pid, "threads": threads, "alive": server.process.is_alive(), "why_not": server.why_not,
-                      "keeps_bytes": server.data is not None})
-    return found
+    return [described(server) for server in process.current().holding_servers]
+
+
+def loaded(case: str):
+    """A fast tokenizer saved, then loaded by ``from_pretrained`` (held ahead): its Rust tokenizer;
+    and an image processor loaded by ``from_pretrained`` from its config (its module imported then)."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = tempfile.mkdtemp(prefix="held-tokenizer-")
+    PreTrainedTokenizerFast(tokenizer_object=tiny_models._byte_level_tokenizer(), eos_token="<|im_end|>").save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if case == "tokenizer_changed":
+        tokenizer.add_tokens(["zqxj"])  # its Rust tokenizer's state is not the one handed ahead now
+    assert IMAGE_MODULE not in sys.modules
+    Path(folder, "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}))
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+    if case == "tokenizer_killed":
+        for server in process.current().loaded_ahead:  # each has done its part, then all are killed
+            assert server._ready.poll(60) and server.may_serve()
+        for server in process.current().loaded_ahead:
+            os.kill(server.process.pid, signal.SIGKILL)
+            server.process.join(10)
+    return tokenizer._tokenizer, image_processor
+
+
+IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"  # imported by the load
 
 
 def main(case: str) -> dict:
@@ -111,7 +152,9 @@ def main(case: str) -> dict:
 
     swift_safe_media.enable(hosts=[])
     process.current().shared_zygote.ready.wait(120)
-    dataset = Encoding(tiny_models._byte_level_tokenizer(), case)
+    backend, image_processor = loaded(case) if case.startswith("tokenizer") else (tiny_models._byte_level_tokenizer(), None)
+    dataset = Encoding(backend, case)
+    dataset.image_processor = image_processor
     init = InitObject() if case == "unplain_init" else None
     loader = DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=Collate(dataset), worker_init_fn=init)
     made = servers()
@@ -133,10 +176,12 @@ def main(case: str) -> dict:
         pickled.append(len(PICKLED) - pickled_before)
         epochs.append(list(iterator))
     time.sleep(0.2)  # an ended server's exit
+    held = process.current().held_tokenizer
     suffix = " changed" if case == "changed" else ""
     return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
             "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started,
-            "pickled_at_start": pickled}
+            "pickled_at_start": pickled, "tokenizer_key": held and held.server.key,
+            "loaded_ahead": [described(server) for server in process.current().loaded_ahead]}
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ SUPPORTED = ((0, 4, 0), (0, 7, 0))  # dataset format v3.0; tested with 0.4.4, 0.
 # What DataLoader workers need to unpickle a LeRobotDataset: the warm forkserver imports
 # it once (see warm_start).
 WORKER_PRELOAD = ("lerobot.datasets.lerobot_dataset", "lerobot.datasets.utils")
+LOADERS_HELD = False  # they get their start method's context (workers.py); their tensors go as descriptors
 FLAG_MODULES = ("lerobot.configs.parser",)
 VIDEO_UTILS = layouts.VIDEO_UTILS
 

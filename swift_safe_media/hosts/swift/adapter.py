@@ -50,6 +50,7 @@ SUPPORTED = ((4, 0), (5, 0))
 # What DataLoader workers need to unpickle LazyLLMDataset, the template and its processor:
 # the warm forkserver imports it once (see warm_start).
 WORKER_PRELOAD = ("transformers", "datasets", "swift.template", "swift.dataset.utils")
+LOADERS_HELD = False  # they get --dataloader_multiprocessing_context (parse_args): CPython's own context
 
 _SWIFT_LOADERS = ("load_audio", "load_video_internvl", "load_video_cogvlm2", "load_video_llava",
                   "load_video_minicpmv_mplug_owl3", "load_video_valley", "load_video_ovis2", "load_video_ovis2_5",
