@@ -213,3 +213,10 @@ def test_what_from_pretrained_loads_is_held_ahead_by_servers_the_loaders_server_
 
 IMAGE_MODULES = ("transformers.models.qwen2_vl", "transformers.models.qwen2_vl.configuration_qwen2_vl",
                  "transformers.models.qwen2_vl.image_processing_qwen2_vl")
+
+
+@pytest.mark.timeout(300)
+def test_nothing_is_held_ahead_where_a_host_hands_its_loaders_their_own_context():
+    found = run_case("tokenizer_swift")  # ms-swift imported and patched: no loader's server would fork from them
+    assert_as_the_trainer_encodes(found)
+    assert found["loaded_ahead"] == [] and found["tokenizer_key"] is None

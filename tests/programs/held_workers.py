@@ -16,7 +16,8 @@ Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader 
 built in the trainer but for ``tokenizer`` (loaded by transformers' ``from_pretrained``, so held ahead
 by a server of its own, as is the module of an image processor the dataset holds:
 ``workers.loaded_ahead``), ``tokenizer_changed`` (loaded, then a token added) and
-``tokenizer_killed`` (loaded, every server of what was loaded SIGKILLed once it has done its part).
+``tokenizer_killed`` (loaded, every server of what was loaded SIGKILLed once it has done its part) and
+``tokenizer_swift`` (loaded in a process where ms-swift is patched).
 """
 
 from __future__ import annotations
@@ -150,7 +151,10 @@ IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"  # impor
 def main(case: str) -> dict:
     from multiprocessing import forkserver
 
-    swift_safe_media.enable(hosts=[])
+    hosts = ["swift"] if case == "tokenizer_swift" else []
+    swift_safe_media.enable(hosts=hosts)
+    if hosts:  # ms-swift patched in this process: its loaders name their own context
+        importlib.import_module("swift.dataset.utils")
     process.current().shared_zygote.ready.wait(120)
     backend, image_processor = loaded(case) if case.startswith("tokenizer") else (tiny_models._byte_level_tokenizer(), None)
     dataset = Encoding(backend, case)
