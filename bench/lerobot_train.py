@@ -166,8 +166,9 @@ def print_medians(results: dict, names: list, digits: int = 1) -> None:
         if name == "ours":
             continue
         ours, stock = median["ours"], median[name]
+        memory = f"{ours[3] / stock[3]:.2f}x" if stock[3] else "not sampled"
         print(f"  ours/{name}: wall {ours[0] / stock[0]:.2f}x, first batch {ours[1] / stock[1]:.2f}x, "
-              f"steady {ours[2] / stock[2]:.2f}x, peak PSS {ours[3] / stock[3]:.2f}x")
+              f"steady {ours[2] / stock[2]:.2f}x, peak PSS {memory}")
 
 
 if __name__ == "__main__":

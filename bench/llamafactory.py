@@ -15,7 +15,7 @@ samples/s (the second half of the steps), and the peak PSS of the whole process 
 and ``Trainer.training_step`` and then runs LLaMA-Factory's own CLI.
 
     python bench/llamafactory.py [--rounds 3] [--rows 32] [--roots] [--exec] [--per-call] [--unfrozen]
-        [--variant-env NAME=VALUE ...]
+        [--variant-env NAME=VALUE ...] [--no-memory]
 """
 
 import argparse
@@ -92,7 +92,7 @@ def build(folder: Path, rows: int) -> dict:
 
 
 def train(built: dict, folder: Path, name: str, protected: bool,
-          variables: dict | None = None) -> tuple[float, float, float, float, str]:
+          variables: dict | None = None, sample_memory: bool = True) -> tuple[float, float, float, float, str]:
     """(wall seconds, first batch's wait in seconds, steady samples/s, peak PSS in MB, where it was)."""
     from tests import llamafactory_scenario as scenario
 
@@ -116,7 +116,7 @@ def train(built: dict, folder: Path, name: str, protected: bool,
     env.update(variables or {})
     pipeline = _bench("pipeline")
     command = [str(VENV / "bin" / "python"), str(Path(__file__).resolve()), "--run", str(config)]
-    returncode, output, wall, memory = pipeline.run_measured(command, env, REPO)
+    returncode, output, wall, memory = pipeline.run_measured(command, env, REPO, sample_memory=sample_memory)
     if returncode != 0 or "Training completed" not in output:
         sys.exit(f"llamafactory-cli train failed ({name}):\n{output[-3000:]}")
     marks = json.loads(timings.read_text())
@@ -140,6 +140,8 @@ def main():
                         "not frozen at the forkserver's fork (SWIFT_SAFE_MEDIA_FREEZE_TRAINER_OBJECTS=0)")
     parser.add_argument("--variant-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a side more, 'variant': protected, with these variables")
+    parser.add_argument("--no-memory", action="store_true", help="time the runs with nothing sampling their "
+                        "memory (every sample reads each process's smaps_rollup); peak PSS is then 0")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one side, inside LLaMA-Factory's interpreter
     args = parser.parse_args()
     if args.run:
@@ -160,7 +162,7 @@ def main():
         for number in range(args.rounds):
             for name in names[number % len(names):] + names[:number % len(names)]:  # rotated each round
                 results[name].append(train(built, folder, f"{number}-{name}", name != "stock",
-                                           variant if name == "variant" else {}))
+                                           variant if name == "variant" else {}, not args.no_memory))
                 report.print_round(number, name, results[name][-1], digits=2)
     print(f"llamafactory-cli train 0.9.5, tiny Qwen2.5-Omni LoRA, {args.rows} rows, batch {BATCH}, {WORKERS} workers, "
           f"{args.rounds} alternating rounds (medians [spread]); load average after: {load()}")

@@ -232,21 +232,26 @@ def run_side(pipeline: str, side: str, args, inputs: dict, extra_env: dict, time
             "memory_at_peak": memory.at_peak}
 
 
-def run_measured(command: list[str], env: dict, cwd, timeout: float | None = None):
+def run_measured(command: list[str], env: dict, cwd, timeout: float | None = None, sample_memory: bool = True):
     """Run ``command`` while sampling its process tree's memory: (exit code, its output,
-    wall seconds until it exited, the ``TreeMemory``). Killed after ``timeout``."""
+    wall seconds until it exited, the ``TreeMemory``). Killed after ``timeout``. Without
+    ``sample_memory``, nothing reads the tree while it runs (each sample reads every process's
+    ``smaps_rollup``, which walks its page tables under its memory map's lock), and the memory
+    is 0."""
     with tempfile.TemporaryFile("w+") as output:
         started = time.perf_counter()
         process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, cwd=str(cwd))
         memory = TreeMemory(process.pid)
-        memory.start()
+        if sample_memory:
+            memory.start()
         try:
             process.wait(timeout)
             wall = time.perf_counter() - started
         finally:
             memory.done.set()
-            memory.join()
+            if sample_memory:
+                memory.join()
             if process.poll() is None:
                 process.kill()
                 process.wait()
