@@ -65,6 +65,7 @@ class ProcessState:
     held_for_start: object = None
     # workers.loaded_ahead: the holding servers of what from_pretrained loaded (oldest first), the
     # tokenizer handed ahead (HeldTokenizer), the loads running now (nested: the outermost's count)
+    loads_held_ahead: bool = False  # its rows patched while protection is on (install)
     loaded_ahead: list = field(default_factory=list)
     held_tokenizer: object = None
     loads_underway: int = 0

@@ -89,16 +89,20 @@ class HeldTokenizer:
 
 def install() -> None:
     """Hold what transformers loads from now (as each of its loading modules is imported)."""
-    for module in PATCHES.modules:
-        import_hooks.when_imported(module, _apply)
+    state = process.current()
+    if not state.loads_held_ahead:
+        state.loads_held_ahead = True
+        for module in PATCHES.modules:
+            import_hooks.when_imported(module, _apply)
 
 
 def uninstall() -> None:
+    process.current().loads_held_ahead = False  # a module imported later leaves its row stock
     PATCHES.unpatch()
 
 
 def _apply(_module) -> None:
-    if config.get(config.LOADS_AHEAD):
+    if process.current().loads_held_ahead and config.get(config.LOADS_AHEAD):
         PATCHES.patch()
 
 
@@ -106,8 +110,9 @@ def may_hold_here() -> bool:
     """Whether this process hands objects to holding servers: protection is asked for in the
     environment, this process started the warm forkserver (its launch read), it is no
     DataLoader worker, and the switch is on."""
-    if (not config.get(config.WORKER_ARGUMENTS_AHEAD) or not config.enabled_by_environment()
-            or process.current().forkserver_environment is None or warm_context() is not _CONTEXT):
+    state = process.current()
+    if (not config.get(config.WORKER_ARGUMENTS_AHEAD) or not config.enabled_by_environment() or state.in_forkserver
+            or state.forkserver_environment is None or warm_context() is not _CONTEXT):
         return False
     worker_info = sys.modules.get("torch.utils.data._utils.worker")
     return worker_info is None or worker_info.get_worker_info() is None
