@@ -69,7 +69,6 @@ class ProcessState:
     loaded_ahead: list = field(default_factory=list)
     held_tokenizer: object = None
     loads_underway: int = 0
-    modules_ahead: set = field(default_factory=set)  # the modules those servers were given to import
     holding_parent: object = None  # the server a holding server starting now is forked from (None: the forkserver)
     scratch_folder: str | None = None  # run_folders.scratch_for_call's parent, made on first use
 

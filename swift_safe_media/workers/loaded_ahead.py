@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from .. import config, process
 from ..patching import import_hooks
 from ..patching.targets import Patches, Target
-from . import held_arguments
+from . import held_arguments, reduced_once
 from .forkserver_launch import _CONTEXT, warm_context
 
 log = logging.getLogger("swift_safe_media")
@@ -161,16 +161,11 @@ def newest() -> held_arguments.HoldingServer | None:
     return None
 
 
-def _is_rust_tokenizer(backend) -> bool:
-    kind = type(backend)
-    return kind.__name__ == "Tokenizer" and kind.__module__.partition(".")[0] == "tokenizers"
-
-
 def hold_tokenizer(tokenizer) -> HeldTokenizer | None:
     """Hand ``tokenizer``'s Rust tokenizer to a holding server, if none is held yet."""
     state = process.current()
     backend = getattr(tokenizer, "_tokenizer", None)
-    if state.held_tokenizer is not None or not _is_rust_tokenizer(backend):
+    if state.held_tokenizer is not None or type(backend) not in reduced_once.costly_types():
         return None
     reduced = backend.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
     if not isinstance(reduced, tuple) or len(reduced) < 3:
@@ -223,14 +218,15 @@ def modules_of(loaded, imported_by_the_load) -> list[str]:
     found.update(name for name in list(sys.modules) if (name + ".").startswith(tuple(families)))
     # A module from a file: not an alias transformers makes of another's name.
     found = {name for name in found if getattr(sys.modules.get(name), "__file__", None)}
-    return sorted(found - process.current().modules_ahead)
+    given = {name for server in process.current().loaded_ahead if type(server.unit[0]) is tuple
+             for name in server.unit[0]}  # the modules servers were given to import
+    return sorted(found - given)
 
 
 def hold_modules(names: list[str]) -> held_arguments.HoldingServer | None:
     """A holding server importing ``names`` (modules the trainer imported), if any."""
     if not names:
         return None
-    process.current().modules_ahead.update(names)
     return _start((tuple(names),), pickle.dumps((_Imports(tuple(names)),), pickle.DEFAULT_PROTOCOL))
 
 

@@ -51,9 +51,14 @@ class KeptReductions:
         return kept[1]
 
 
-def _kept_types() -> list[type]:
+def costly_types() -> list[type]:
+    """The classes of :data:`KEPT_TYPES` already imported (``workers.loaded_ahead`` holds their objects ahead)."""
     found = (getattr(sys.modules.get(module), name, None) for module, name in KEPT_TYPES)
-    return [kind for kind in found if isinstance(kind, type) and kind not in copyreg.dispatch_table]
+    return [kind for kind in found if isinstance(kind, type)]
+
+
+def _kept_types() -> list[type]:
+    return [kind for kind in costly_types() if kind not in copyreg.dispatch_table]
 
 
 @contextlib.contextmanager
