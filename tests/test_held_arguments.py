@@ -50,6 +50,9 @@ def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_ever
     assert {item["ppid"] for item in items(found)} == {server["pid"]}
     # Two epochs, two workers each: four workers, all forked from the one server.
     assert len({item["pid"] for item in items(found)}) == 4
+    # Their launches carry references without the bytes the server holds (the server forks them).
+    assert [to_server for to_server, _ in found["launches"]] == [True] * 4
+    assert all(size < server["bytes"] for _, size in found["launches"]), (found["launches"], server["bytes"])
     # Each start pickles the dataset once to compare it with the server's bytes, and the launches
     # carry references. The start's check reads those bytes, but for classes of __main__ (it pickles
     # them itself, to name them).
@@ -93,6 +96,11 @@ def test_workers_queued_in_a_server_that_dies_unpickling_start_from_the_warm_for
     assert_as_the_trainer_encodes(found)
     assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
     assert done.stderr.count("holding server did not start it") == 2, done.stderr[-3000:]
+    # Sent to the server without the bytes, then again to the warm forkserver with them.
+    launches = found["launches"]
+    assert sorted(to_server for to_server, _ in launches) == [False, False, True, True], launches
+    sizes = {to_server: [size for sent, size in launches if sent is to_server] for to_server in (True, False)}
+    assert min(sizes[False]) > max(sizes[True]), launches
     assert found["servers"] == []  # ended and forgotten: a later start does not queue there
 
 
@@ -123,6 +131,12 @@ def test_a_reference_launched_elsewhere_unpickles_its_bytes_once_for_both_parts(
     collate_fn = held_arguments.held_part("not-held-here", 1, data)
     assert dataset["rows"] is collate_fn["rows"] and dataset["rows"] == shared
     held_arguments._HELD.pop("not-held-here")
+
+
+def test_a_reference_without_its_bytes_outside_its_server_raises_naming_why():
+    with pytest.raises(RuntimeError, match="without its dataset's bytes"):
+        held_arguments.held_part("not-held-here", 0, None)
+    assert "not-held-here" not in held_arguments._HELD
 
 
 def test_only_an_init_that_shares_nothing_is_plain():

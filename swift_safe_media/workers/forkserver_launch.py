@@ -9,16 +9,18 @@ so with fork's inherited memory gone, every worker's unpickling came before the 
 LLaMA-Factory's 4 MB collator took 0.2 s a worker, 0.4 s of the first batch with 2 workers.
 
 :class:`WarmForkServerContext` is CPython's forkserver context with two changes: the launch
-hands the pipe to a thread that writes it, and it returns without waiting for the forkserver
-to say the worker's pid (a fork of the forkserver: 15-20 ms), which is read off the worker's
-sentinel when first asked for. The workers are forked and unpickle side by side while the
-trainer pickles the next one's arguments and sends the indices; torch asks for every pid once
-all have started. The preparation data the worker reads first also carries its first
-sandbox's request (:mod:`.first_sandbox`). What a worker reads, and when it may begin, is
-otherwise unchanged. A worker that dies before reading all of it is what it was before to
-torch (a worker that exited unexpectedly); the writer just stops. A forkserver that dies
-before forking a worker raises ``EOFError`` where the pid is asked for (CPython's: in
-``start()``), and ``poll`` reads that worker as exited with code 255, as CPython's does.
+writes what the pipe takes at once and hands the rest to a thread that writes it, and it
+returns without waiting for the forkserver to say the worker's pid (a fork of the forkserver:
+15-20 ms), which is read off the worker's sentinel when first asked for. The workers are forked
+and unpickle side by side while the trainer pickles the next one's arguments and sends the
+indices; torch asks for every pid once all have started. The preparation data the worker reads
+first also carries its first sandbox's request (:mod:`.first_sandbox`). A launch sent to a
+holding server carries references to its objects without their bytes (:mod:`.held_arguments`):
+a few kB the pipe takes at once. What a worker reads, and when it may begin, is otherwise
+unchanged. A worker that dies before reading all of it is what it was before to torch (a worker
+that exited unexpectedly); the writer just stops. A forkserver that dies before forking a
+worker raises ``EOFError`` where the pid is asked for (CPython's: in ``start()``), and ``poll``
+reads that worker as exited with code 255, as CPython's does.
 
 ``_launch`` repeats CPython's own but for those two changes: the same in 3.11 to 3.13 (run
 here) and on CPython's main branch (read 2026-11-29), as are the ``poll`` and ``wait`` the
@@ -44,11 +46,29 @@ from . import first_sandbox, held_arguments
 log = logging.getLogger("swift_safe_media")
 
 
-def _write_all(fd: int, data: io.BytesIO) -> None:
-    """Write the worker's arguments into its pipe, then close it (the end of the data)."""
+def _write_at_once(fd: int, data: io.BytesIO) -> int | None:
+    """Write what the pipe takes now, without waiting; how much that was, or None where it was
+    all of it or the worker is gone (the pipe is then closed)."""
+    written = 0
     try:
-        with open(fd, "wb", closefd=True) as pipe:
-            pipe.write(data.getbuffer())
+        with data.getbuffer() as view:
+            os.set_blocking(fd, False)
+            while written < len(view):
+                written += os.write(fd, view[written:])
+    except BlockingIOError:  # the pipe is full: a thread writes the rest as the worker reads
+        os.set_blocking(fd, True)
+        return written
+    except OSError as exc:  # the worker is gone: torch finds it dead, as it did when start() raised
+        log.debug("swift_safe_media: a DataLoader worker did not read its arguments: %r", exc)
+    os.close(fd)
+    return None
+
+
+def _write_all(fd: int, data: io.BytesIO, offset: int = 0) -> None:
+    """Write the worker's arguments (from ``offset`` on) into its pipe, then close it (the end of the data)."""
+    try:
+        with open(fd, "wb", closefd=True) as pipe, data.getbuffer() as view:
+            pipe.write(view[offset:])
     except OSError as exc:  # the worker is gone: torch finds it dead, as it did when start() raised
         log.debug("swift_safe_media: a DataLoader worker did not read its arguments: %r", exc)
 
@@ -72,21 +92,44 @@ class _Popen(popen_forkserver.Popen):
             prep_data["swift_safe_media_first_sandbox"] = first
         data = io.BytesIO()
         # A dataset and collate_fn a holding server unpickled ahead go as references to its objects.
-        with held_arguments.in_place_of_held(process_obj, arguments) as server:
+        with held_arguments.in_place_of_held(process_obj, arguments) as (server, references):
             context.set_spawning_popen(self)
             try:
                 reduction.dump(prep_data, data)
+                prepared, fds = data.tell(), list(self._fds)
                 reduction.dump(process_obj, data)
+                to_server = self._without_bytes(process_obj, references, data, prepared, fds) if references else data
             finally:
                 context.set_spawning_popen(None)
         server = server or process.current().holding_parent  # a holding server forked from another one
-        self._held_by = server if server is not None and self._send(data, server.connect) else None
+        self._held_by = server if server is not None and self._send(to_server, server.connect) else None
         if self._held_by is None:
             self._send(data, forkserver.connect_to_new_process)
         else:  # sent again to the warm forkserver if the server does not fork it (references carry the bytes)
             self._data = data
         # The pid is read when first asked for: the forkserver forks this worker while the
         # trainer pickles the next one's arguments (torch asks for every pid once all started).
+
+    def _without_bytes(self, process_obj, references, data: io.BytesIO, prepared: int, fds: list[int]) -> io.BytesIO:
+        """The launch for the server holding the objects: ``data`` (``prepared`` bytes of
+        preparation, then ``process_obj``) with references that do not carry the objects' bytes
+        (megabytes the worker would read and drop). ``data`` itself where the descriptors the two
+        pickles hand over differ."""
+        carried, self._fds = self._fds, list(fds)
+        light = io.BytesIO()
+        with data.getbuffer() as view:
+            light.write(view[:prepared])
+        for reference in references:
+            reference.carried = False
+        try:
+            reduction.dump(process_obj, light)
+        finally:
+            for reference in references:
+                reference.carried = True
+        if self._fds != carried:  # the same objects pickle the same descriptors: never seen
+            self._fds = carried
+            return data
+        return light
 
     def _send(self, data: io.BytesIO, connect_to_new_process) -> bool:
         try:
@@ -96,8 +139,10 @@ class _Popen(popen_forkserver.Popen):
         # As CPython: a duplicate of the data pipe's write end is the child's sign that its parent lives.
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
-        threading.Thread(target=_write_all, args=(w, data), name="swift-safe-media-worker-launch",
-                         daemon=True).start()
+        written = _write_at_once(w, data)  # most launches from a holding server fit in the pipe
+        if written is not None:
+            threading.Thread(target=_write_all, args=(w, data, written), name="swift-safe-media-worker-launch",
+                             daemon=True).start()
         return True
 
     def _pid_from_server(self) -> int:

@@ -14,10 +14,10 @@ its own, which queues the requests that come while it unpickles.
 A worker's launch sent to it carries references in place of the two objects
 (:func:`in_place_of_held`, :class:`HeldPart`): the worker, a fork of the server, takes the
 server's objects, which is what unpickling the same bytes gives (the launch uses a server only
-for the bytes it holds). The references also carry the bytes: a launch that cannot reach the
-server (gone), or that the server does not fork (it ended first, or forked nothing within the
-start-up timeout), goes to the warm forkserver instead (:mod:`.forkserver_launch`), and the
-worker unpickles the bytes.
+for the bytes it holds). The launch keeps a second pickle whose references carry the bytes: a
+launch that cannot reach the server (gone), or that the server does not fork (it ended first,
+or forked nothing within the start-up timeout), goes to the warm forkserver instead with those
+(:mod:`.forkserver_launch`), and the worker unpickles the bytes.
 
 A server unpickles with the environment the trainer had when the loader was made (a worker
 adopts the trainer's as it starts, as before), and lives until the trainer ends (its end of a
@@ -51,19 +51,25 @@ _HELD: dict = {}
 
 
 class HeldPart:
-    """Pickled in a worker's launch in place of the dataset (0) or ``collate_fn`` (1)."""
+    """Pickled in a worker's launch in place of the dataset (0) or ``collate_fn`` (1): with the
+    objects' bytes (``carried``), for a launch that may go elsewhere; without, for the bytes its
+    server forks (its workers have the objects, and a small launch is written at once)."""
 
     def __init__(self, key: str, index: int, data: bytes):
         self.key, self.index, self.data = key, index, data
+        self.carried = True
 
-    def __reduce__(self):
-        return held_part, (self.key, self.index, self.data)  # the one bytes object is written once
+    def __reduce__(self):  # the one bytes object is written once
+        return held_part, (self.key, self.index, self.data if self.carried else None)
 
 
-def held_part(key: str, index: int, data: bytes):
+def held_part(key: str, index: int, data: bytes | None):
     """In a worker: the held object, else (launched from elsewhere) what its bytes unpickle to."""
     unit = _HELD.get(key)
     if unit is None:
+        if data is None:  # only a server's own forks are sent references without the bytes
+            raise RuntimeError("a DataLoader worker's launch without its dataset's bytes reached a process "
+                               "that does not hold them")
         unit = _HELD[key] = pickle.loads(data)
     return unit[index]
 
@@ -235,7 +241,7 @@ def serve_holding(key: str, data: bytes, main: str | None, ready, listener: sock
 def in_place_of_held(process_obj, bound):
     """While ``process_obj`` is pickled for its launch (``bound``: its arguments bound to torch's
     ``_worker_loop``, or None): references in place of the objects this start's server holds, if
-    any. Yields that server, or None."""
+    any. Yields (that server, the references), or (None, ())."""
     server = process.current().held_for_start
     bound = bound if server is not None and not server.why_not else None
     arguments = bound.arguments if bound is not None else {}
@@ -245,7 +251,7 @@ def in_place_of_held(process_obj, bound):
     else:
         held = "dataset" in arguments and arguments["dataset"] is server.unit[0]
     if not held or arguments.get("collate_fn") is not server.unit[1]:
-        yield None
+        yield None, ()
         return
     saved = process_obj._args, process_obj._kwargs
     dataset = HeldPart(server.key, 0, server.data)
@@ -253,9 +259,9 @@ def in_place_of_held(process_obj, bound):
         arguments["dataset_holder"] = [dataset]
     else:
         arguments["dataset"] = dataset
-    arguments["collate_fn"] = HeldPart(server.key, 1, server.data)
+    arguments["collate_fn"] = collate_fn = HeldPart(server.key, 1, server.data)
     process_obj._args, process_obj._kwargs = bound.args, bound.kwargs
     try:
-        yield server
+        yield server, (dataset, collate_fn)
     finally:
         process_obj._args, process_obj._kwargs = saved

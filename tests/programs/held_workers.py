@@ -113,7 +113,7 @@ def described(server) -> dict:
     except OSError:
         threads, parent = 0, None
     return {"pid": pid, "threads": threads, "alive": server.process.is_alive(), "why_not": server.why_not,
-            "keeps_bytes": server.data is not None, "parent": parent, "key": server.key}
+            "keeps_bytes": server.data is not None, "bytes": len(server.data or b""), "parent": parent, "key": server.key}
 
 
 def servers() -> list[dict]:
@@ -148,6 +148,21 @@ def loaded(case: str):
 IMAGE_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"  # imported by the load
 
 
+def recording_launches() -> list:
+    """[(sent to a holding server, bytes written)] for each launch from now on."""
+    from swift_safe_media.workers import forkserver_launch, held_arguments
+
+    launches, stock_send = [], forkserver_launch._Popen._send
+
+    def send(popen, data, connect_to_new_process):
+        to_server = isinstance(getattr(connect_to_new_process, "__self__", None), held_arguments.HoldingServer)
+        launches.append((to_server, len(data.getbuffer())))
+        return stock_send(popen, data, connect_to_new_process)
+
+    forkserver_launch._Popen._send = send
+    return launches
+
+
 def main(case: str) -> dict:
     from multiprocessing import forkserver
 
@@ -172,7 +187,7 @@ def main(case: str) -> dict:
         server.process.join(10)
     if case == "refused":  # its answer is in before the start asks (one that comes later: ``server_dies``)
         assert process.current().holding_servers[0]._ready.poll(60)
-    epochs, started, pickled = [], [], []
+    epochs, started, pickled, launches = [], [], [], recording_launches()
     for _ in range(2 if case in ("held", "refused") else 1):
         began, pickled_before = time.monotonic(), len(PICKLED)
         iterator = iter(loader)
@@ -185,7 +200,7 @@ def main(case: str) -> dict:
     return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
             "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started,
             "pickled_at_start": pickled, "tokenizer_key": held and held.server.key,
-            "loaded_ahead": [described(server) for server in process.current().loaded_ahead]}
+            "loaded_ahead": [described(server) for server in process.current().loaded_ahead], "launches": launches}
 
 
 if __name__ == "__main__":
