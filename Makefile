@@ -138,16 +138,26 @@ $(VENVS_SHARED): $(ENVS)
 	@$(PYTHON) tools/venv_space.py share $(VENV) $(LEROBOT_VENV) $(LEROBOT06_VENV) $(LLAMAFACTORY_VENV)
 	@touch $(VENVS_SHARED)
 
+# What the CPU gave at that moment, for reading a suite's time: the same machine has taken 3 s
+# and 10-17 s for `import torch` within one hour (host contention, not load on the machine).
+CPU_READING := $(PY) -c "import time; t = time.process_time(); import torch; \
+	print(f'import torch took {time.process_time() - t:.1f} s of CPU')"
+MAKE_STARTED := $(shell date +%s)
+
 # The suite in two parts: files side by side in TEST_JOBS processes, then the tests marked
 # `serial` (they time a decode against the CPU it got, or look at every process's shared
-# memory) alone. Both parts always run; the exit status is the first failure's.
+# memory) alone. Both parts always run; the exit status is the first failure's. The log says
+# how long the venvs and each part took, and a reading of the CPU before each part.
 test:
 	@$(PYTHON) tools/venv_space.py check $(VENV_GIB)
 	@$(MAKE) --no-print-directory --output-sync=target -j4 envs
 	@$(MAKE) --no-print-directory $(VENVS_SHARED)
-	@status=0; \
+	@echo "make test: venvs ready after $$(( $$(date +%s) - $(MAKE_STARTED) )) s; $$($(CPU_READING))"; \
+	status=0; \
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=25 || status=$$?; \
-	$(PY) -m pytest -m serial || status=$$?; \
+	echo "make test: parallel part done after $$(( $$(date +%s) - $(MAKE_STARTED) )) s; $$($(CPU_READING))"; \
+	$(PY) -m pytest -m serial --durations=10 || status=$$?; \
+	echo "make test: done after $$(( $$(date +%s) - $(MAKE_STARTED) )) s"; \
 	exit $$status
 
 demo: $(STAMP)
