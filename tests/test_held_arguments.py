@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import socket
 import types
 
@@ -206,7 +207,8 @@ def test_what_from_pretrained_loads_is_held_ahead_by_servers_the_loaders_server_
     assert tokenizer_server["key"] == found["tokenizer_key"]
     if case == "tokenizer_killed":  # the loader's server (if it serves) starts from the warm forkserver
         assert not tokenizer_server["alive"] and not modules_server["alive"], ahead
-        assert "gone" in modules_server["why_not"]
+        # Killed before a launch reached it ("its server is gone") or while one did: both send the workers on.
+        assert re.search(r"gone|ended before it forked", modules_server["why_not"]), modules_server
         assert {server["parent"] for server in servers} <= {forkserver}
         assert {item["ppid"] for item in items(found)} <= {forkserver} | {server["pid"] for server in servers}
         assert held_as == {(tokenizer_server["key"],)} and imported == {()}  # it unpickled the bytes referred to
