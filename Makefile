@@ -139,10 +139,11 @@ $(VENVS_SHARED): $(ENVS)
 	@touch $(VENVS_SHARED)
 
 # What the CPU gave at that moment, for reading a suite's time: the same machine has taken 3 s
-# and 10-17 s for `import torch` within one hour (host contention, not load on the machine).
+# and 10-17 s for `import torch` within one hour, with nothing else running on it.
 CPU_READING := $(PY) -c "import time; t = time.process_time(); import torch; \
 	print(f'import torch took {time.process_time() - t:.1f} s of CPU')"
 MAKE_STARTED := $(shell date +%s)
+SINCE_STARTED := $$(( $$(date +%s) - $(MAKE_STARTED) )) s
 
 # The suite in two parts: files side by side in TEST_JOBS processes, then the tests marked
 # `serial` (they time a decode against the CPU it got, or look at every process's shared
@@ -152,12 +153,12 @@ test:
 	@$(PYTHON) tools/venv_space.py check $(VENV_GIB)
 	@$(MAKE) --no-print-directory --output-sync=target -j4 envs
 	@$(MAKE) --no-print-directory $(VENVS_SHARED)
-	@echo "make test: venvs ready after $$(( $$(date +%s) - $(MAKE_STARTED) )) s; $$($(CPU_READING))"; \
+	@echo "make test: venvs ready after $(SINCE_STARTED); $$($(CPU_READING))"; \
 	status=0; \
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=25 || status=$$?; \
-	echo "make test: parallel part done after $$(( $$(date +%s) - $(MAKE_STARTED) )) s; $$($(CPU_READING))"; \
+	echo "make test: parallel part done after $(SINCE_STARTED); $$($(CPU_READING))"; \
 	$(PY) -m pytest -m serial --durations=10 || status=$$?; \
-	echo "make test: done after $$(( $$(date +%s) - $(MAKE_STARTED) )) s"; \
+	echo "make test: done after $(SINCE_STARTED)"; \
 	exit $$status
 
 demo: $(STAMP)
