@@ -23,6 +23,8 @@ ray = pytest.importorskip("ray")
 TIMEOUT = "5"
 # Small on a shared 2-core machine: our sandboxes do the work, not Ray's object store.
 SMALL = {"object_store_memory": 80 << 20, "include_dashboard": False}
+# A Ray worker's first item also starts its sandbox pool, on a machine Ray's nodes load.
+START_SLACK = 30
 
 
 def comparable(problems):
@@ -34,6 +36,14 @@ def comparable(problems):
 
 def normalized(reason: str) -> str:
     return re.sub(r", not counting [\d.]+ s it waited for a CPU", "", re.sub(r"pid \d+", "pid N", reason))
+
+
+def bounded(problem: str, elapsed: float) -> bool:
+    """An item costs at most its timeout and its sandbox's start, plus what the fair clock
+    added for time the sandbox waited for a CPU (the reason says how much; a loaded
+    machine may add up to the timeout's ceiling)."""
+    waited = re.search(r"not counting ([\d.]+) s it waited for a CPU", problem)
+    return elapsed - (float(waited.group(1)) if waited else 0.0) < float(TIMEOUT) + START_SLACK
 
 
 def table_rows(stdout):
@@ -70,7 +80,8 @@ class TestOnThisMachine:
         assert table_rows(on_ray.stdout) == table_rows(local.stdout)
         assert comparable(ray_registry) == comparable(local_registry) and len(ray_registry) == len(bad)
         # Bounded: the playlist's FIFO costs its timeout (an item's time may include its sandbox's start).
-        assert all(problem["elapsed"] < float(TIMEOUT) + 20 for problem in ray_report["problems"])
+        assert all(bounded(problem["problem"], problem["elapsed"]) for problem in ray_report["problems"]), \
+            [(problem["path"], problem["problem"], problem["elapsed"]) for problem in ray_report["problems"]]
         assert "on a Ray cluster (1 nodes)" in on_ray.stderr
         assert "10/10" in on_ray.stderr and f"problems: {len(bad)}" in on_ray.stderr  # the same progress bar
         assert f"problems: {len(bad)}" in local.stderr
@@ -146,7 +157,8 @@ class TestOnThreeNodes:
         by_name = {os.path.basename(problem.path): problem for problem in problems}
         assert "timeout" in by_name["spin.mp4"].problem and "MediaDecodeTimeout" in by_name["spin.mp4"].problem
         assert "SIGSEGV" in by_name["segv.wav"].problem
-        assert all(problem.elapsed < float(TIMEOUT) + 20 for problem in problems)
+        assert all(bounded(problem.problem, problem.elapsed) for problem in problems), \
+            [(problem.path, problem.problem, problem.elapsed) for problem in problems]
         try:
             local, _ = scan.scan(items, 2, check=scan_checks.decode_or_fail_natively)
         finally:
