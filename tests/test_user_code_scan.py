@@ -11,7 +11,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -242,16 +241,13 @@ def test_calls_are_followed_into_the_users_modules_and_not_into_isolated_functio
                 return iio.imread(path, plugin="pyav"), iio.imread("still.png")
         """,
     })
-    started = time.perf_counter()
     found = user_code.scan_script(str(tmp_path / "train.py"))
-    elapsed = time.perf_counter() - started
     assert sites(found) == [
         ("train.py", 23, "Collate.__call__", "subprocess.run running ffmpeg"),
         ("helpers.py", 6, "probe", "imageio.v3.imread (of video)"),
         ("readers.py", 4, "grab", "cv2.VideoCapture"),
         ("readers.py", 8, "Reader.__init__", "moviepy.editor.VideoFileClip"),
     ], found
-    assert elapsed < 0.05, elapsed
 
 
 def test_a_dataset_handed_to_a_dataloader_and_a_module_on_the_path_are_read(tmp_path, monkeypatch):
@@ -336,21 +332,23 @@ def test_unreadable_or_odd_sources_never_raise(tmp_path):
     assert cli.main(["doctor", "--script", str(tmp_path / "bad.py")]) == 2
 
 
-def test_the_scan_of_a_long_script_takes_under_50_ms(tmp_path, monkeypatch):
-    monkeypatch.setenv("SWIFT_SAFE_MEDIA_BOUND_OPENERS", "0")  # every opener named, as before they were bounded
-    """A training script of about 550 lines: 20 datasets, each reaching decord through 5 helpers."""
+def long_script(datasets: int) -> str:
+    """A training script of about 27 lines a dataset: each dataset reaches decord through 5
+    helpers (20 datasets: about 550 lines). ``bench/user_code_scan.py`` times its scan."""
     helpers = "".join(f"def helper_{n}(path):\n    return helper_{n + 1}(path) + len(str(path))\n\n\n"
                       if n % 5 != 4 else f"def helper_{n}(path):\n    return decord.VideoReader(path)\n\n\n"
-                      for n in range(100))
-    datasets = "".join(f"class Clips{n}(Dataset):\n    def __getitem__(self, index):\n"
-                       f"        return self.load(index)\n\n    def load(self, index):\n"
-                       f"        return helper_{n * 5}(index)\n\n\n" for n in range(20))
-    (tmp_path / "train.py").write_text("import decord\nfrom torch.utils.data import Dataset\n\n\n"
-                                       + helpers + datasets)
-    user_code.scan_script(str(tmp_path / "train.py"))  # the first read of ast's own code
-    started = time.perf_counter()
+                      for n in range(datasets * 5))
+    classes = "".join(f"class Clips{n}(Dataset):\n    def __getitem__(self, index):\n"
+                      f"        return self.load(index)\n\n    def load(self, index):\n"
+                      f"        return helper_{n * 5}(index)\n\n\n" for n in range(datasets))
+    return "import decord\nfrom torch.utils.data import Dataset\n\n\n" + helpers + classes
+
+
+def test_a_long_script_is_followed_through_every_helper(tmp_path, monkeypatch):
+    """About 550 lines: 20 datasets, each reaching decord through 5 helpers. (How long the
+    scan takes is a bench, not a test: bench/user_code_scan.py.)"""
+    monkeypatch.setenv("SWIFT_SAFE_MEDIA_BOUND_OPENERS", "0")  # every opener named, as before they were bounded
+    (tmp_path / "train.py").write_text(long_script(20))
     found = user_code.scan_script(str(tmp_path / "train.py"))
-    elapsed = time.perf_counter() - started
     assert [(finding.function, finding.entry) for finding in found] == [
         (f"helper_{n * 5 + 4}", f"Clips{n}.__getitem__") for n in range(20)]
-    assert elapsed < 0.05, elapsed
