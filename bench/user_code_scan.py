@@ -44,8 +44,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for datasets in (20, 40):
             script = Path(folder) / f"train_{datasets}.py"
-            script.write_text(long_script(datasets))
-            lines = len(script.read_text().splitlines())
+            text = long_script(datasets)
+            script.write_text(text)
+            lines = len(text.splitlines())
             times = timed_scans(script, args.rounds)
             print(f"{datasets} datasets, {lines} lines: {statistics.median(times):.1f} ms "
                   f"[{min(times):.1f}-{max(times):.1f}] over {args.rounds} scans")

@@ -34,15 +34,19 @@ def comparable(problems):
     return sorted((p["path"], p["kind"], normalized(p.get("problem", p.get("reason")))) for p in problems)
 
 
+# What a timeout's reason adds for the time its sandbox waited for a CPU (fair_clock.describe).
+CPU_WAIT = re.compile(r", not counting ([\d.]+) s it waited for a CPU")
+
+
 def normalized(reason: str) -> str:
-    return re.sub(r", not counting [\d.]+ s it waited for a CPU", "", re.sub(r"pid \d+", "pid N", reason))
+    return CPU_WAIT.sub("", re.sub(r"pid \d+", "pid N", reason))
 
 
 def bounded(problem: str, elapsed: float) -> bool:
     """An item costs at most its timeout and its sandbox's start, plus what the fair clock
     added for time the sandbox waited for a CPU (the reason says how much; a loaded
     machine may add up to the timeout's ceiling)."""
-    waited = re.search(r"not counting ([\d.]+) s it waited for a CPU", problem)
+    waited = CPU_WAIT.search(problem)
     return elapsed - (float(waited.group(1)) if waited else 0.0) < float(TIMEOUT) + START_SLACK
 
 
