@@ -51,6 +51,9 @@ def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_ever
     assert {item["ppid"] for item in items(found)} == {server["pid"]}
     # Two epochs, two workers each: four workers, all forked from the one server.
     assert len({item["pid"] for item in items(found)}) == 4
+    # The server reaps them and says their codes, as CPython's does; torch's join at an epoch's end
+    # reads them (it read None, half the time, where it took a pidfd's word that the worker had ended).
+    assert found["exit_codes"] == [[0, 0], [0, 0]]
     # Their launches carry references without the bytes the server holds (the server forks them).
     assert [to_server for to_server, _ in found["launches"]] == [True] * 4
     assert all(size < server["bytes"] for _, size in found["launches"]), (found["launches"], server["bytes"])
@@ -65,6 +68,7 @@ def test_a_dataset_changed_after_its_loader_was_made_is_unpickled_by_the_workers
     found = run_case("changed")
     assert_as_the_trainer_encodes(found)  # the ids of the changed texts
     assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    assert found["exit_codes"] == [[0, 0]]  # read through the warm forkserver, as torch's join left them
     [made] = found["servers_made"]
     assert found["servers"] == []  # ended, and forgotten
     assert found["pickled_at_start"] == [4]  # compared with the server's bytes, the check's own pickle, 2 launches

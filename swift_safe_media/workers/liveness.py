@@ -7,14 +7,21 @@ reads as exited with code 255, though it goes on working (it watches the trainer
 :mod:`.worker_watchdog`), and torch's DataLoader ended the run at its next status check
 ("DataLoader worker (pid(s) ...) exited unexpectedly", after a batch slower than 5 s).
 Their liveness is read from a pidfd instead, which any process may hold on any other.
+
+The pidfd reads a worker's end as it exits; its status comes a moment later, once the forkserver
+has reaped it: a wait that returned at the pidfd's word alone read a worker that had exited as
+still running (torch's ``join`` at an epoch's end left ``exitcode`` None, then signalled it).
 """
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import select
 import signal
 from multiprocessing import popen_forkserver
+
+STATUS_PATIENCE_S = 5.0  # a worker has exited: how long its forkserver may take to say how
 
 
 class OutlivesItsForkserver:
@@ -44,8 +51,9 @@ class OutlivesItsForkserver:
         return code
 
     def wait(self, timeout=None):
-        if self.poll() is None and self._pidfd >= 0:
-            select.select([self._pidfd], [], [], timeout)
+        if self.poll() is None and self._pidfd >= 0 and select.select([self._pidfd], [], [], timeout)[0]:
+            # It has exited: its status (or the forkserver's end, EOF) comes through the forkserver.
+            multiprocessing.connection.wait([self._popen.sentinel], STATUS_PATIENCE_S)
         return self.poll()
 
     def terminate(self):
@@ -57,7 +65,10 @@ class OutlivesItsForkserver:
     def _signal(self, number) -> None:
         if self.poll() is None:
             try:
-                os.kill(self.pid, number)
+                if self._pidfd >= 0:  # never another process that took the pid of one reaped meanwhile
+                    signal.pidfd_send_signal(self._pidfd, number)
+                else:
+                    os.kill(self.pid, number)
             except ProcessLookupError:
                 pass
 

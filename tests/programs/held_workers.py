@@ -188,19 +188,22 @@ def main(case: str) -> dict:
     if case == "refused":  # its answer is in before the start asks (one that comes later: ``server_dies``)
         assert process.current().holding_servers[0]._ready.poll(60)
     epochs, started, pickled, launches = [], [], [], recording_launches()
+    exit_codes = []
     for _ in range(2 if case in ("held", "refused") else 1):
         began, pickled_before = time.monotonic(), len(PICKLED)
         iterator = iter(loader)
         started.append(time.monotonic() - began)  # the workers' start: queued in a server still unpickling
         pickled.append(len(PICKLED) - pickled_before)
         epochs.append(list(iterator))
+        exit_codes.append([worker.exitcode for worker in iterator._workers])  # as torch's join at the end left them
     time.sleep(0.2)  # an ended server's exit
     held = process.current().held_tokenizer
     suffix = " changed" if case == "changed" else ""
     return {"epochs": epochs, "expected": [dataset.tokenizer.encode(text + suffix).ids for text in TEXTS],
             "forkserver": forkserver._forkserver._forkserver_pid, "servers_made": made, "servers": servers(), "started_s": started,
             "pickled_at_start": pickled, "tokenizer_key": held and held.server.key,
-            "loaded_ahead": [described(server) for server in process.current().loaded_ahead], "launches": launches}
+            "loaded_ahead": [described(server) for server in process.current().loaded_ahead], "launches": launches,
+            "exit_codes": exit_codes}
 
 
 if __name__ == "__main__":
