@@ -24,9 +24,14 @@ from .fresh import clean_environment, run_python
 
 
 def run_case(case: str, *args, **extra) -> dict:
+    return run_case_logged(case, *args, **extra)[0]
+
+
+def run_case_logged(case: str, *args, **extra) -> tuple[dict, str]:
+    """What the case found, and its stderr (our log)."""
     done = run_python(module="tests.programs.held_workers", args=[case, *args],
                       env=clean_environment(extra, warm_start=True), timeout=240)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 def items(found: dict) -> list[dict]:
@@ -95,12 +100,10 @@ def test_workers_started_while_their_server_unpickles_are_queued_and_forked_by_i
 
 @pytest.mark.timeout(300)
 def test_workers_queued_in_a_server_that_dies_unpickling_start_from_the_warm_forkserver():
-    done = run_python(module="tests.programs.held_workers", args=["server_dies"],
-                      env=clean_environment(warm_start=True), timeout=240)
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found, stderr = run_case_logged("server_dies")
     assert_as_the_trainer_encodes(found)
     assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
-    assert done.stderr.count("holding server did not start it") == 2, done.stderr[-3000:]
+    assert stderr.count("holding server did not start it") == 2, stderr[-3000:]
     # Sent to the server without the bytes, then again to the warm forkserver with them.
     launches = found["launches"]
     assert sorted(to_server for to_server, _ in launches) == [False, False, True, True], launches
@@ -213,7 +216,9 @@ def test_what_from_pretrained_loads_is_held_ahead_by_servers_the_loaders_server_
         assert not tokenizer_server["alive"] and not modules_server["alive"], ahead
         # Killed before a launch reached it ("its server is gone") or while one did: both send the workers on.
         assert re.search(r"gone|ended before it forked", modules_server["why_not"]), modules_server
-        assert {server["parent"] for server in servers} <= {forkserver}
+        for server in servers:  # it serves, from the warm forkserver, or it said why it cannot (threads its imports started)
+            assert (server["why_not"] is None and server["parent"] == forkserver
+                    or server["why_not"].startswith("its server could not hold them")), server
         assert {item["ppid"] for item in items(found)} <= {forkserver} | {server["pid"] for server in servers}
         assert held_as == {(tokenizer_server["key"],)} and imported == {()}  # it unpickled the bytes referred to
         return
@@ -229,6 +234,25 @@ def test_what_from_pretrained_loads_is_held_ahead_by_servers_the_loaders_server_
     assert set(IMAGE_MODULES) <= set(modules), modules
     # A token added after the load: the tokenizer pickled in full, the workers' own.
     assert held_as == ({()} if case == "tokenizer_changed" else {(tokenizer_server["key"],)})
+
+
+@pytest.mark.timeout(300)
+def test_a_loaders_server_sent_to_a_server_that_died_before_forking_it_starts_from_the_warm_forkserver():
+    found, stderr = run_case_logged("tokenizer_parent_killed")
+    assert_as_the_trainer_encodes(found)
+    # The loader's server was sent to the newest server of what was loaded, which took the request
+    # and died. As the loader's start asks whether it serves, it is sent on to the warm forkserver
+    # with its descriptors (the trainer had closed its own once it was sent), and answers: it serves,
+    # or says why it cannot (here: threads its imports started). Not "it ended before it had
+    # unpickled them", which is what it said when the descriptors sent on were the closed ones.
+    [server] = found["servers"]
+    if server["why_not"] is None:
+        assert server["alive"] and server["parent"] == found["forkserver"], server
+        assert {item["ppid"] for item in items(found)} == {server["pid"]}
+    else:
+        assert server["why_not"].startswith("its server could not hold them"), server
+        assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    assert "a holding server's holding server did not start it" in stderr, stderr[-3000:]
 
 
 IMAGE_MODULES = ("transformers.models.qwen2_vl", "transformers.models.qwen2_vl.configuration_qwen2_vl",

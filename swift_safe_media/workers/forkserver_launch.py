@@ -107,6 +107,8 @@ class _Popen(popen_forkserver.Popen):
             self._send(data, forkserver.connect_to_new_process)
         else:  # sent again to the warm forkserver if the server does not fork it (references carry the bytes)
             self._data = data
+            # Kept for that: the caller may close its own once start() returns (a holding server's start does).
+            self._fds = [os.dup(fd) for fd in self._fds]
         # The pid is read when first asked for: the forkserver forks this worker while the
         # trainer pickles the next one's arguments (torch asks for every pid once all started).
 
@@ -151,19 +153,23 @@ class _Popen(popen_forkserver.Popen):
         worker is sent to the warm forkserver instead, with the same bytes."""
         server, self._held_by = self._held_by, None
         data, self._data = self._data, None
-        if not multiprocessing.connection.wait([self.sentinel], config.start_timeout()):
-            # It forks nothing more: the pid is there now, or never.
-            server.end(f"it forked no worker within the start-up timeout ({config.start_timeout():g} s)")
-        if multiprocessing.connection.wait([self.sentinel], 0):
-            try:
-                return forkserver.read_signed(self.sentinel)
-            except EOFError:
-                pass
-        server.end(server.why_not or "it ended before it forked a worker")
-        log.warning("swift_safe_media: %s's holding server did not start it (%s); the warm forkserver does",
-                    self._what, server.why_not)
-        self.finalizer()
-        self._send(data, forkserver.connect_to_new_process)
+        try:
+            if not multiprocessing.connection.wait([self.sentinel], config.start_timeout()):
+                # It forks nothing more: the pid is there now, or never.
+                server.end(f"it forked no worker within the start-up timeout ({config.start_timeout():g} s)")
+            if multiprocessing.connection.wait([self.sentinel], 0):
+                try:
+                    return forkserver.read_signed(self.sentinel)
+                except EOFError:
+                    pass
+            server.end(server.why_not or "it ended before it forked a worker")
+            log.warning("swift_safe_media: %s's holding server did not start it (%s); the warm forkserver does",
+                        self._what, server.why_not)
+            self.finalizer()
+            self._send(data, forkserver.connect_to_new_process)
+        finally:  # the descriptors kept for a second launch: the forkserver has its own copies now
+            util.close_fds(*self._fds)
+            self._fds = []
         return forkserver.read_signed(self.sentinel)
 
     _pid = None

@@ -153,6 +153,10 @@ class HoldingServer:
 
     def may_serve(self) -> bool:
         """False once it has said it does not serve (or ended before it said it does)."""
+        if not self._answered:
+            # Sent to a holding server that died before it forked this one: sent on to the warm
+            # forkserver now (reading the pid does), not once a worker's launch has waited the start-up timeout.
+            self.process.is_alive()
         if not self._answered and self._ready.poll(0):
             try:
                 message = self._ready.recv_bytes()

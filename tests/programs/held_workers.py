@@ -16,7 +16,9 @@ Cases: ``held`` (two epochs), ``changed`` (the dataset changed after the loader 
 built in the trainer but for ``tokenizer`` (loaded by transformers' ``from_pretrained``, so held ahead
 by a server of its own, as is the module of an image processor the dataset holds:
 ``workers.loaded_ahead``), ``tokenizer_changed`` (loaded, then a token added) and
-``tokenizer_killed`` (loaded, every server of what was loaded SIGKILLed once it has done its part) and
+``tokenizer_killed`` (loaded, every server of what was loaded SIGKILLed once it has done its part),
+``tokenizer_parent_killed`` (loaded, the newest server of what was loaded stopped, then SIGKILLed once
+the loader's server was sent to it) and
 ``tokenizer_swift`` (loaded in a process where ms-swift is patched).
 """
 
@@ -136,6 +138,10 @@ def loaded(case: str):
     assert IMAGE_MODULE not in sys.modules
     Path(folder, "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}))
     image_processor = AutoImageProcessor.from_pretrained(folder)
+    if case == "tokenizer_parent_killed":  # the newest waits, stopped, as the loader's server is sent to it
+        newest = process.current().loaded_ahead[-1]
+        assert newest._ready.poll(60) and newest.may_serve()
+        os.kill(newest.process.pid, signal.SIGSTOP)
     if case == "tokenizer_killed":
         for server in process.current().loaded_ahead:  # each has done its part, then all are killed
             assert server._ready.poll(60) and server.may_serve()
@@ -176,7 +182,16 @@ def main(case: str) -> dict:
     dataset.image_processor = image_processor
     init = InitObject() if case == "unplain_init" else None
     loader = DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=Collate(dataset), worker_init_fn=init)
-    made = servers()
+    if case == "tokenizer_parent_killed":  # killed with the loader's server's launch in its queue, its pid unread
+        newest = process.current().loaded_ahead[-1]
+        os.kill(newest.process.pid, signal.SIGKILL)
+        newest.process.join(10)
+        server = process.current().holding_servers[0]
+        server.may_serve()  # as the loader's start asks first: sent on to the warm forkserver
+        assert server._ready.poll(120)
+        made = []
+    else:
+        made = servers()
     os.environ["HELD_TEST_SETTING"] = "set after the loader was made"  # workers see the trainer's environment
     if case == "changed":
         dataset.suffix = " changed"
