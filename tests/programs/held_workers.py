@@ -24,9 +24,11 @@ the loader's server was sent to it) and
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -131,6 +133,7 @@ def loaded(case: str):
     from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerFast
 
     folder = tempfile.mkdtemp(prefix="held-tokenizer-")
+    atexit.register(shutil.rmtree, folder, True)  # the trainer's exit (its forks never run its atexit hooks)
     PreTrainedTokenizerFast(tokenizer_object=tiny_models._byte_level_tokenizer(), eos_token="<|im_end|>").save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if case == "tokenizer_changed":
