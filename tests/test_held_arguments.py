@@ -34,6 +34,14 @@ def run_case_logged(case: str, *args, **extra) -> tuple[dict, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
+def serves_from_the_warm_forkserver_or_said_why_not(server: dict, forkserver: int) -> bool:
+    """A loader's server started from the warm forkserver (its parent among what was loaded gone):
+    it serves, or it said why it cannot (there, the model's modules it imports start threads)."""
+    if server["why_not"] is None:
+        return server["parent"] == forkserver
+    return server["why_not"].startswith("its server could not hold them")
+
+
 def items(found: dict) -> list[dict]:
     return [item for epoch in found["epochs"] for item in epoch]
 
@@ -57,7 +65,7 @@ def test_workers_fork_from_the_server_that_unpickled_their_dataset_ahead_in_ever
     # Two epochs, two workers each: four workers, all forked from the one server.
     assert len({item["pid"] for item in items(found)}) == 4
     # The server reaps them and says their codes, as CPython's does; torch's join at an epoch's end
-    # reads them (it read None, half the time, where it took a pidfd's word that the worker had ended).
+    # reads them (it read None in 1 of 5 runs to 4 of 6, where it took a pidfd's word that the worker had ended).
     assert found["exit_codes"] == [[0, 0], [0, 0]]
     # Their launches carry references without the bytes the server holds (the server forks them).
     assert [to_server for to_server, _ in found["launches"]] == [True] * 4
@@ -216,9 +224,8 @@ def test_what_from_pretrained_loads_is_held_ahead_by_servers_the_loaders_server_
         assert not tokenizer_server["alive"] and not modules_server["alive"], ahead
         # Killed before a launch reached it ("its server is gone") or while one did: both send the workers on.
         assert re.search(r"gone|ended before it forked", modules_server["why_not"]), modules_server
-        for server in servers:  # it serves, from the warm forkserver, or it said why it cannot (threads its imports started)
-            assert (server["why_not"] is None and server["parent"] == forkserver
-                    or server["why_not"].startswith("its server could not hold them")), server
+        for server in servers:
+            assert serves_from_the_warm_forkserver_or_said_why_not(server, forkserver), server
         assert {item["ppid"] for item in items(found)} <= {forkserver} | {server["pid"] for server in servers}
         assert held_as == {(tokenizer_server["key"],)} and imported == {()}  # it unpickled the bytes referred to
         return
@@ -246,12 +253,10 @@ def test_a_loaders_server_sent_to_a_server_that_died_before_forking_it_starts_fr
     # or says why it cannot (here: threads its imports started). Not "it ended before it had
     # unpickled them", which is what it said when the descriptors sent on were the closed ones.
     [server] = found["servers"]
-    if server["why_not"] is None:
-        assert server["alive"] and server["parent"] == found["forkserver"], server
-        assert {item["ppid"] for item in items(found)} == {server["pid"]}
-    else:
-        assert server["why_not"].startswith("its server could not hold them"), server
-        assert {item["ppid"] for item in items(found)} == {found["forkserver"]}
+    assert serves_from_the_warm_forkserver_or_said_why_not(server, found["forkserver"]), server
+    serving = server["why_not"] is None
+    assert server["alive"] or not serving, server
+    assert {item["ppid"] for item in items(found)} == ({server["pid"]} if serving else {found["forkserver"]})
     assert "a holding server's holding server did not start it" in stderr, stderr[-3000:]
 
 
