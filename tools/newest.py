@@ -47,6 +47,10 @@ TESTS = [
     # decode paths, LeRobot's dataset in this venv
     "tests/test_adapters.py", "tests/test_swift_patching.py", "tests/test_swift_flags.py",
     "tests/test_coverage.py", "tests/test_lerobot.py",
+    # the workers' start: the forkserver forked from the trainer (numpy's OpenBLAS pool), the
+    # holding servers, the first sandbox, the workers' liveness (torch's DataLoader internals)
+    "tests/test_forked_forkserver.py", "tests/test_held_arguments.py", "tests/test_first_sandbox.py",
+    "tests/test_liveness.py",
 ]
 ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b: \S")
 PER_TEST_TIMEOUT_S = 600  # a test's own timeout mark, where it has one, wins

@@ -7,7 +7,7 @@ it shares those pages. Forking is safe only while the trainer has a single threa
 it has when protection is first asked for: as a host begins importing (``SWIFT_SAFE_MEDIA=1``
 or the host's flag on the command line) or at an ``enable()`` at the top of a script.
 There :func:`fork_ahead` imports torch, stops OpenBLAS's thread pool as OpenBLAS itself
-does before any fork (it starts again at its next use), and forks a *template*, which
+does before any fork (:mod:`.openblas_pool`; it starts again at its next use), and forks a *template*, which
 waits; where the host's flag asked (``enable()`` comes seconds later, once the host parses
 its arguments), it imports the forkserver's preload meanwhile, as the forkserver would
 (:func:`_import_while_waiting`). When ``enable()`` then starts the
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import gc
 import importlib.util
 import logging
@@ -48,6 +47,7 @@ import warnings
 
 from .. import config, process
 from ..engine import transport
+from . import openblas_pool
 
 log = logging.getLogger("swift_safe_media")
 
@@ -146,13 +146,17 @@ def fork_ahead(for_hosts: bool, ahead=()) -> None:
         return
     why_not = _why_not_fork() or (_half_imported() if stale else None)
     if why_not is None:
-        _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
+        pools_stopped = _import_early(EARLY_IMPORTS_OF_HOSTS if for_hosts else EARLY_IMPORTS)
         threads = process.thread_names()
-        if len([name for name in threads if name not in FORK_SAFE_THREADS]) == 1:
-            state.forkserver_template = _fork_template(() if stale else ahead, threads, again=stale is not None)
-            if stale is not None:
-                stale.dismiss(patience=0)  # what it imported ahead, the fresh one shares
-            return
+        others = [name for name in threads if name not in FORK_SAFE_THREADS][1:]
+        if not others or not pools_stopped:  # else: OpenBLAS's pool may be what stops at the fork
+            template = _fork_template(() if stale else ahead, threads, again=stale is not None, recount=bool(others))
+            if template is not None:
+                state.forkserver_template = template
+                if stale is not None:
+                    stale.dismiss(patience=0)  # what it imported ahead, the fresh one shares
+                return
+            threads = openblas_pool.threads_once_forked(FORK_SAFE_THREADS)  # what ran through the fork
         why_not = f"the trainer has {len(threads)} threads ({', '.join(threads)})"
     if stale is None:
         log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)
@@ -182,34 +186,22 @@ def dismiss() -> None:
         template.dismiss()
 
 
-def _import_early(names) -> None:
-    """Import ``names``, then stop OpenBLAS's thread pool (numpy loads it,
-    and it starts its threads as it loads): what OpenBLAS itself does before any fork, its
-    pool starting again at its next use, with the same number of threads."""
+def _import_early(names) -> bool:
+    """Import ``names``, then stop OpenBLAS's thread pool (numpy loads it, and it starts its
+    threads as it loads). False where a pool may still run: it stops at the fork itself."""
     try:
         for name in names:
             if name not in sys.modules and importlib.util.find_spec(name) is not None:
                 __import__(name)
     except Exception as exc:  # fail open: the forkserver imports it, as before
         log.debug("swift_safe_media: early import failed: %r", exc)
-    for path in _loaded_openblas():
-        try:
-            getattr(ctypes.CDLL(path), "blas_thread_shutdown_")()
-        except (OSError, AttributeError):
-            pass
+    return openblas_pool.stop()
 
 
-def _loaded_openblas() -> list[str]:
-    try:
-        with open("/proc/self/maps") as maps:
-            return sorted({line.split()[-1] for line in maps
-                           if "openblas" in line.rsplit("/", 1)[-1].lower() and "/" in line})
-    except OSError:
-        return []
-
-
-def _fork_template(ahead, threads: list[str], again: bool = False) -> Template:
-    """``threads``: the trainer's, as :func:`fork_ahead` found them (for the log)."""
+def _fork_template(ahead, threads: list[str], again: bool = False, recount: bool = False) -> Template | None:
+    """``threads``: the trainer's, as :func:`fork_ahead` found them (for the log). ``recount``:
+    more than one, and OpenBLAS's pool may be the others: the template is kept only where the
+    trainer has one thread just after the fork, else ended (None)."""
     orders, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     trainer, main = os.getpid(), threading.current_thread() is threading.main_thread()
     hosts = tuple(host for host in _hosts_watched() if host in sys.modules)  # imported by now
@@ -225,6 +217,10 @@ def _fork_template(ahead, threads: list[str], again: bool = False) -> Template:
         finally:
             os._exit(code)
     theirs.close()
+    template = Template(pid, orders, main)
+    if recount and len(openblas_pool.threads_once_forked(FORK_SAFE_THREADS)) > 1:
+        template.dismiss(patience=0)  # a thread other than the pool's ran through the fork
+        return None
     if config.get(config.FREEZE_TRAINER_OBJECTS):
         # Python's advice before a fork without exec: a full collection in the trainer would
         # write to every page holding an object alive now (its GC header), copying the pages
@@ -233,10 +229,11 @@ def _fork_template(ahead, threads: list[str], again: bool = False) -> Template:
         # cycles (41 unreachable objects after torch's import, measured).
         gc.freeze()
     others = [name for name in threads if name in FORK_SAFE_THREADS]
-    log.debug("swift_safe_media: template of the warm forkserver forked%s (pid %d, the trainer had 1 thread%s)",
+    log.debug("swift_safe_media: template of the warm forkserver forked%s (pid %d, the trainer had 1 thread%s%s)",
               " again, the trainer having imported more" if again else "", pid,
-              f" and {', '.join(others)}, which fork leaves safe" if others else "")
-    return Template(pid, orders, main)
+              f" and {', '.join(others)}, which fork leaves safe" if others else "",
+              ", OpenBLAS's pool stopped by the fork itself" if recount else "")
+    return template
 
 
 # -- in the template -------------------------------------------------------------------

@@ -64,6 +64,10 @@ def catches(number: int, pid="self") -> bool:
 
 def main():
     signal.signal(signal.SIGUSR1, lambda *_: None)  # the trainer's own: not the forkserver's
+    if os.environ.get("HIDE_OPENBLAS_SHUTDOWN") == "1":  # as numpy 2.5's OpenBLAS: its pool stops only at a fork
+        from swift_safe_media.workers import openblas_pool
+
+        openblas_pool.SHUTDOWN = "blas_thread_shutdown_not_exported"
     if sys.argv[1:] == ["thread"]:
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
     enabled_at = None
