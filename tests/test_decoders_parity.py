@@ -28,6 +28,8 @@ except ImportError:  # tests/ run as rootdir-less modules
     import media_corpus
 
 import swift_safe_media.decoders as safe
+from swift_safe_media import MediaDecodeError
+from swift_safe_media.decoders import audio as audio_decoder
 from swift_safe_media.decoders import swift as safe_swift
 from swift_safe_media.decoders.video import Seconds, VideoInfo
 
@@ -210,8 +212,11 @@ THROUGH_AUDIOREAD = (".m4a", ".mp4", ".mkv", ".mov")
 @pytest.mark.parametrize("name", AUDIO_INPUTS)
 def test_load_audio_matches_stock(stock, corpus, monkeypatch, name, backend, sr, mono):
     monkeypatch.setenv("SWIFT_AUDIO_LOAD_BACKEND", backend)
-    ours, our_sr = safe.load_audio(corpus[name], sr, return_sr=True, mono=mono)
     reference, meta = stock_result(stock, f"audio-{backend}-{sr}-{int(mono)}__{name}")
+    if reference is None and backend == "librosa" and audio_decoder.librosa_without_audioread():
+        assert_refused_as_librosa_1_refuses(lambda: safe.load_audio(corpus[name], sr, mono=mono), corpus[name])
+        return
+    ours, our_sr = safe.load_audio(corpus[name], sr, return_sr=True, mono=mono)
     if reference is None:
         # Stock soundfile_pyav resamples each channel of a transposed array and PyAV
         # refuses the non-contiguous row: stereo with mono=False always raises there.
@@ -231,10 +236,44 @@ def test_load_audio_matches_stock(stock, corpus, monkeypatch, name, backend, sr,
     assert isinstance(safe.load_audio(corpus[name], sr, mono=mono), np.ndarray)
 
 
+def assert_refused_as_librosa_1_refuses(load, path):
+    """librosa 1.x has no audioread fallback: what its libsndfile refuses, the twin refuses."""
+    with pytest.raises(MediaDecodeError, match="libsndfile cannot read this file") as refused:
+        load()
+    assert refused.value.path == path
+
+
+def test_under_librosa_1_the_twin_reads_what_libsndfile_opens_and_refuses_the_rest(corpus):
+    """librosa 1.0 dropped its audioread fallback: stock reads only what libsndfile opens.
+    Where it is installed (``make newest`` runs the parity above against it), the twin's entry
+    is given its version: here, told 1.0.0 beside librosa 0.x, it reads librosa's own samples
+    of what libsndfile opens, and refuses an AAC naming the file and libsndfile's reason."""
+    import librosa
+
+    from swift_safe_media.decoders import guards, inputs
+    from swift_safe_media.engine import calls as engine
+
+    limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
+
+    def load(path):
+        source = inputs.fetched(inputs.describe(path), limits, url_timeout)
+        return engine.call(audio_decoder.load, source, limits, url_timeout, None, False, 0.0, None, "1.0.0",
+                           path=source.label)
+
+    samples, rate = load(corpus["pcm_48k_stereo.wav"])
+    reference, reference_rate = librosa.load(corpus["pcm_48k_stereo.wav"], sr=None, mono=False)
+    assert rate == reference_rate and samples.dtype == reference.dtype and np.array_equal(samples, reference)
+    assert_refused_as_librosa_1_refuses(lambda: load(corpus["aac_44k_stereo.m4a"]), corpus["aac_44k_stereo.m4a"])
+
+
 def test_qwen_omni_audio_matches_stock(stock, corpus):
     conversation = media_corpus.omni_conversation(os.path.dirname(corpus["vfr.mp4"]))
-    ours = safe.process_audio_info(conversation, use_audio_in_video=True)
     reference, meta = stock_result(stock, "omni__audio")
+    if reference is None and audio_decoder.librosa_without_audioread():
+        assert_refused_as_librosa_1_refuses(lambda: safe.process_audio_info(conversation, True),
+                                            corpus["h264_aac_bframes.mp4"])
+        return
+    ours = safe.process_audio_info(conversation, use_audio_in_video=True)
     assert [len(a) for a in ours] == pytest.approx(meta["lengths"], abs=1)
     offset = 0
     for audio, length in zip(ours, meta["lengths"]):

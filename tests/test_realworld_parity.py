@@ -32,6 +32,7 @@ import realworld as rw  # noqa: E402
 
 pytest.importorskip("swift.template.vision_utils", reason="the stock ms-swift loaders are the reference")
 
+from swift_safe_media.decoders import audio as audio_decoder  # noqa: E402
 from swift_safe_media.decoders import families  # noqa: E402
 from swift_safe_media.decoders import swift as safe_swift  # noqa: E402
 from swift_safe_media.decoders.video import Seconds, VideoInfo  # noqa: E402
@@ -289,6 +290,12 @@ def _check(stock, files, name, case):
     want = expected(name, case)
     state = rw.stock_result(stock, f"{case}__{name}")
     ours = _twin(case, path)
+    if (case in ("librosa", "omni") and want != REFUSED and audio_decoder.librosa_without_audioread()
+            and state[0] == "error" and ours[0] == REFUSED):
+        # librosa 1.x has no audioread fallback: what its libsndfile refuses, the twin refuses too
+        # (what libsndfile opens and stock still fails on, the twin may read by design: below).
+        assert path in str(ours[1]) and "libsndfile cannot read" in ours[1].reason, ours
+        return
     if want == REFUSED:
         assert ours[0] == REFUSED, f"{name} {case}: expected a refusal, got {ours[0]}"
         assert path in str(ours[1]) and ours[1].reason

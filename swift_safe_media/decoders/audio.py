@@ -9,6 +9,8 @@ ceil(n * target_sr / native_sr).
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import io
 import math
 
@@ -28,9 +30,10 @@ _SOUNDFILE_CONTAINERS = {"wav", "flac", "ogg", "mp3", "mp3/aac", "aiff", "nistsp
                          "w64", "caf"}
 
 
-def _read_soundfile(label, data, limits, offset, duration):
+def _read_soundfile(label, data, limits, offset, duration, refusal: list | None = None):
     """(samples (channels, n) or (n,), native rate), or None when libsndfile can't read it
-    (FFmpeg then decodes it: whatever libsndfile raises, it is not the file's last word)."""
+    (FFmpeg then decodes it: whatever libsndfile raises, it is not the file's last word; its
+    reason is appended to ``refusal``)."""
     import soundfile
 
     try:
@@ -47,6 +50,8 @@ def _read_soundfile(label, data, limits, offset, duration):
     except Exception as exc:  # LibsndfileError, or its Python side's ValueError / RuntimeError
         if is_out_of_memory(exc):
             raise MemoryError(f"decoding audio with libsndfile: {short_reason(exc)}") from None
+        if refusal is not None:
+            refusal.append(short_reason(exc))
         return None
     if samples.shape[-1] == 0:
         # A WAV whose recorder never wrote the data size (0: libsndfile reads nothing,
@@ -220,13 +225,44 @@ def _head(path: str) -> bytes:
         return f.read(guards.HEAD_BYTES)
 
 
+@functools.lru_cache(maxsize=1)
+def librosa_without_audioread() -> str | None:
+    """In the caller: the installed librosa's version where it reads only what libsndfile
+    opens (1.0 dropped its audioread fallback), else None (0.x, or no librosa)."""
+    try:
+        version = importlib.metadata.version("librosa")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    major = version.split(".", 1)[0]
+    return version if major.isdigit() and int(major) >= 1 else None
+
+
+def _libsndfile_only(label, data, limits, offset, duration, librosa_version: str):
+    """As librosa 1.x reads: libsndfile, or its refusal. Where libsndfile opens the file but
+    reads no samples (a recorder's unsized data), FFmpeg reads it to the end, as with 0.x."""
+    refusal: list = []
+    result = _read_soundfile(label, data, limits, offset, duration, refusal)
+    if result is not None:
+        return (*result, True)
+    if not refusal:
+        return decode(label, data, limits, offset, duration)
+    raise MediaDecodeError(label, f"librosa {librosa_version} reads only what libsndfile opens (it has no "
+                                  f"audioread fallback), and libsndfile cannot read this file: {refusal[0]}")
+
+
 @typed_entry
-def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=True, offset=0.0, duration=None):
-    """Sandbox entry, librosa.load semantics: (samples, rate)."""
+def load(source: inputs.Source, limits: guards.Limits, url_timeout, sr, mono=True, offset=0.0, duration=None,
+         libsndfile_only: str | None = None):
+    """Sandbox entry, librosa.load semantics: (samples, rate). ``libsndfile_only``: the
+    caller's librosa version where it has no audioread fallback (:func:`librosa_without_audioread`):
+    what libsndfile cannot read is then refused, as that librosa refuses it."""
     import numpy as np
 
     data = inputs.materialize(source, limits, url_timeout)
-    y, native_sr, by_soundfile = decode(source.label, data, limits, offset, duration)
+    if libsndfile_only:
+        y, native_sr, by_soundfile = _libsndfile_only(source.label, data, limits, offset, duration, libsndfile_only)
+    else:
+        y, native_sr, by_soundfile = decode(source.label, data, limits, offset, duration)
     if not by_soundfile:
         # What libsndfile cannot read, librosa reads through audioread's ffmpeg pipe as
         # 16-bit samples: the same steps and the same clipping here, so the samples are
