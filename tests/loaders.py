@@ -20,3 +20,11 @@ AUDIO_LOADERS = {
     "omni": lambda p: safe.process_audio_info([{"role": "user", "content": [{"type": "audio", "audio": p}]}], False),
 }
 ALL_LOADERS = {**VIDEO_LOADERS, **AUDIO_LOADERS}
+
+
+def audio_reason(reason: str) -> str:
+    """What the audio twins' refusal of a file libsndfile does not open says: ``reason``; under
+    librosa 1.x, which reads only what libsndfile opens, libsndfile's refusal (as stock's)."""
+    from swift_safe_media.decoders import audio
+
+    return "libsndfile cannot read this file" if audio.librosa_without_audioread() else reason
