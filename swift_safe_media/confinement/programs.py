@@ -9,10 +9,10 @@ sandbox (``engine.PROGRAMS``, one per call) is confined as the others are, and b
   ``IMAGEIO_FFMPEG_EXE`` or moviepy's ``FFMPEG_BINARY`` names, else the static build its wheel
   bundles; MiniCPM-o reads a video's audio through moviepy where librosa 1.0 refuses it, and
   another ffmpeg's samples differ by one step): Landlock's execute right on those files only
-  (the kernel opens the interpreter as a program too, so it needs the right). The loader, run by itself, starts any program the
-  sandbox may read, so this is not "ffmpeg and nothing else": what runs keeps the whole
-  confinement (seccomp, Landlock, no_new_privs are inherited across exec): no network, no
-  writes outside the folder below, no reads outside the read policy.
+  (the kernel opens the interpreter as a program too, so it needs the right). The loader, run
+  by itself, starts any program the sandbox may read, so this is not "ffmpeg and nothing
+  else": what runs keeps the whole confinement (seccomp, Landlock, no_new_privs are inherited
+  across exec): no network, no writes outside the folder below, no reads outside the read policy.
 - **May write** in a folder of its own (``TMPDIR`` names it), made by the caller for the
   call and removed after it (:func:`..engine.run_folders.scratch_for_call`).
 """
