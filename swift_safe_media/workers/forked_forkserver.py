@@ -156,7 +156,7 @@ def fork_ahead(for_hosts: bool, ahead=()) -> None:
                 if stale is not None:
                     stale.dismiss(patience=0)  # what it imported ahead, the fresh one shares
                 return
-            threads = openblas_pool.threads_once_forked(FORK_SAFE_THREADS)  # what ran through the fork
+            threads = process.thread_names()  # what ran through the fork
         why_not = f"the trainer has {len(threads)} threads ({', '.join(threads)})"
     if stale is None:
         log.debug("swift_safe_media: the warm forkserver will be started by exec: %s", why_not)

@@ -19,7 +19,9 @@ import time
 from .. import process
 
 SHUTDOWN = "blas_thread_shutdown_"  # OpenBLAS's own, which its fork handler calls
-_GONE_PATIENCE_S = 0.02  # a joined thread may stay listed in /proc a moment after its join
+# A joined thread may stay listed in /proc a moment after its join (longer on a loaded machine,
+# where the exiting thread waits for a core); waited only where another thread is listed.
+_GONE_PATIENCE_S = 0.2
 
 
 def loaded() -> list[str]:
