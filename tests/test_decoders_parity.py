@@ -257,7 +257,7 @@ def test_under_librosa_1_the_twin_reads_what_libsndfile_opens_and_refuses_the_re
 
     def load(path):
         source = inputs.fetched(inputs.describe(path), limits, url_timeout)
-        return engine.call(audio_decoder.load, source, limits, url_timeout, None, False, 0.0, None, "1.0.0",
+        return engine.call(audio_decoder.load, source, limits, url_timeout, None, False, libsndfile_only="1.0.0",
                            path=source.label)
 
     samples, rate = load(corpus["pcm_48k_stereo.wav"])

@@ -253,7 +253,8 @@ def _omni_audio(path, start, end):
     source = inputs.fetched(inputs.describe(path), limits, url_timeout)
     duration = (end - start) if end is not None else None
     samples, _ = engine.call(audio.load, source, limits, url_timeout, OMNI_SAMPLE_RATE,
-                             True, start, duration, audio.librosa_without_audioread(), path=source.label)
+                             True, start, duration, libsndfile_only=audio.librosa_without_audioread(),
+                             path=source.label)
     return samples
 
 

@@ -225,6 +225,6 @@ def load_audio(audio, sampling_rate, return_sr=False, mono=True):
     limits, url_timeout = guards.Limits.from_env(), inputs.url_timeout()
     source = inputs.fetched(inputs.describe(audio), limits, url_timeout)
     # librosa 1.x reads only what libsndfile opens: so does its twin.
-    extra = (0.0, None, _audio.librosa_without_audioread()) if entry is _audio.load else ()
-    res = engine.call(entry, source, limits, url_timeout, sampling_rate, mono, *extra, path=source.label)
+    extra = {"libsndfile_only": _audio.librosa_without_audioread()} if entry is _audio.load else {}
+    res = engine.call(entry, source, limits, url_timeout, sampling_rate, mono, path=source.label, **extra)
     return res if return_sr else res[0]

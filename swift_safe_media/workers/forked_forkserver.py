@@ -7,9 +7,9 @@ it shares those pages. Forking is safe only while the trainer has a single threa
 it has when protection is first asked for: as a host begins importing (``SWIFT_SAFE_MEDIA=1``
 or the host's flag on the command line) or at an ``enable()`` at the top of a script.
 There :func:`fork_ahead` imports torch, stops OpenBLAS's thread pool as OpenBLAS itself
-does before any fork (:mod:`.openblas_pool`; it starts again at its next use), and forks a *template*, which
-waits; where the host's flag asked (``enable()`` comes seconds later, once the host parses
-its arguments), it imports the forkserver's preload meanwhile, as the forkserver would
+does before any fork (:mod:`.openblas_pool`; it starts again at its next use), and forks a
+*template*, which waits; where the host's flag asked (``enable()`` comes seconds later, once
+the host parses its arguments), it imports the forkserver's preload meanwhile, as the forkserver would
 (:func:`_import_while_waiting`). When ``enable()`` then starts the
 warm forkserver (:mod:`.forkserver`), CPython's ``ensure_running`` builds its command and
 would exec it; :meth:`Template.serving` hands that command, its descriptors and the

@@ -2,8 +2,8 @@
 template is forked from it, torch imported), then runs a full collection.
 
 ``python -m tests.programs.collection_after_fork`` prints one JSON object: how many of the
-trainer's objects were frozen since it started, how many kB of its memory the collection made its own (pages
-it shared with the forkserver's family, copied as the collector wrote to them:
+trainer's objects were frozen since it started, how many kB of its memory the collection made
+its own (pages it shared with the forkserver's family, copied as the collector wrote to them:
 ``Private_Dirty`` before and after), and the names of the trainer's children then (the
 template, or the forkserver it became).
 """
